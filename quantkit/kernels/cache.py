@@ -1,0 +1,92 @@
+"""Arch pinning and the compile cache shared by every CuTeDSL kernel in quantkit.
+
+* **Arch.** CuTeDSL silently targets ``sm_100a`` when it sees no GPU, and reads
+  ``CUTE_DSL_ARCH`` once, when it is imported. :func:`pin_arch` sets that variable before the
+  import, and :func:`compile_kernel` also passes ``--gpu-arch`` to every ``cute.compile``, so the
+  target is explicit per compile (compile-only checks for sm_90a and sm_100a can share a process).
+* **In-process cache.** ``cute.compile`` traces Python (milliseconds to seconds) and is not
+  thread-safe: :func:`compile_kernel` compiles each ``(key, arch)`` once, under a lock, and keeps the
+  executor it returns.
+* **Across processes.** CuTeDSL itself keeps compiled modules on disk, keyed by the hash of the
+  traced IR (``CUTE_DSL_CACHE_DIR``, default ``$TMPDIR/$USER/cutlass_python_cache``), so a second
+  process re-traces (milliseconds) but skips the lowering to PTX/cubin. CuTeDSL's ``export_to_c``
+  object-file export would also skip the tracing, but it needs the CUDA runtime at export time, so
+  it cannot be built or tested on a CPU-only machine; it is not used.
+
+Nothing here imports CuTeDSL or torch.cuda at module import time.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+ARCH_ENV = "CUTE_DSL_ARCH"
+
+# Architectures with arch-specific ("a") instructions (wgmma, setmaxnreg, tcgen05) we compile for.
+_ARCH_SPECIFIC = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
+
+_lock = threading.Lock()
+_compiled: dict[tuple[Hashable, str], Any] = {}
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """CuTeDSL arch string for a compute capability, e.g. ``(9, 0) -> "sm_90a"``, ``(8, 9) -> "sm_89"``."""
+    suffix = "a" if (major, minor) in _ARCH_SPECIFIC else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def device_arch(device: int | None = None) -> str:
+    """Arch string of CUDA device ``device`` (default: the current one); RuntimeError without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible: pass an explicit arch (e.g. 'sm_90a') to compile only")
+    return arch_for_capability(*torch.cuda.get_device_capability(device))
+
+
+def pin_arch(arch: str | None = None) -> str:
+    """Fix the CuTeDSL target: ``arch`` if given, else ``$CUTE_DSL_ARCH``, else the visible GPU's.
+
+    Sets ``CUTE_DSL_ARCH`` (which CuTeDSL reads when imported) and returns the arch string. Raises
+    RuntimeError if CuTeDSL was already imported with a different ``CUTE_DSL_ARCH``.
+    """
+    arch = arch or os.environ.get(ARCH_ENV) or device_arch()
+    previous = os.environ.get(ARCH_ENV)
+    if "cutlass" in sys.modules and previous not in (None, arch):
+        raise RuntimeError(f"CuTeDSL was imported with {ARCH_ENV}={previous}; cannot re-pin it to {arch} in this process")
+    os.environ[ARCH_ENV] = arch
+    return arch
+
+
+def compile_kernel(key: Hashable, fn: Callable[..., Any], *args: Any, arch: str | None = None, options: str = "") -> Any:
+    """``cute.compile(fn, *args)`` for ``arch`` (default: :func:`pin_arch`), once per ``(key, arch)``.
+
+    An explicit ``arch`` is passed to ``cute.compile`` as ``--gpu-arch`` and does not re-pin the
+    process, so compile-only checks may target several archs in one process.
+
+    ``key`` must name everything that changes the generated code besides the arch (kernel, tile
+    config, dtypes, epilogue); ``args`` are the (fake or real) tensors/scalars ``cute.compile`` traces
+    with. ``options`` are extra ``cute.compile`` options (e.g. ``"--keep-ptx --dump-dir D"``).
+    Returns the compiled executor (call it with real tensors).
+    """
+    arch = arch or pin_arch()
+    cache_key = (key, arch)
+    hit = _compiled.get(cache_key)
+    if hit is not None:
+        return hit
+    with _lock:
+        hit = _compiled.get(cache_key)
+        if hit is None:
+            import cutlass.cute as cute
+
+            hit = cute.compile(fn, *args, options=f"--gpu-arch {arch} {options}".strip())
+            _compiled[cache_key] = hit
+    return hit
+
+
+def cached_keys() -> list[tuple[Hashable, str]]:
+    """The ``(key, arch)`` pairs compiled in this process so far."""
+    return list(_compiled)
