@@ -1,0 +1,88 @@
+"""Low-precision formats by name.
+
+=================  ==========================================  ==========================================
+name               weights                                     activations
+=================  ==========================================  ==========================================
+``nvfp4``          E2M1, E4M3 scale / 16, FP32 tensor scale    NVFP4, dynamic blocks, static tensor scale
+``nvfp4-w4a16``    as nvfp4                                    bf16 (not quantized)
+``mxfp8``          E4M3, E8M0 scale / 32                       MXFP8, dynamic
+``mxfp4``          E2M1, E8M0 scale / 32                       MXFP4, dynamic
+``fp8-block``      E4M3, FP32 scale / 128×128                  E4M3, FP32 scale / 1×128, dynamic
+``fp8-dynamic``    E4M3, FP32 scale / output channel           E4M3, FP32 scale / token, dynamic
+``fp8``            E4M3, FP32 scale / tensor                   E4M3, FP32 scale / tensor, static
+=================  ==========================================  ==========================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.formats.base import ActivationScheme, QuantizedWeight, WeightScheme
+from quantkit.formats.fp8 import FP8Activation, FP8Weight
+from quantkit.formats.mx import MXActivation, MXWeight
+from quantkit.formats.nvfp4 import NVFP4Activation, NVFP4Weight
+
+
+@dataclass(frozen=True)
+class Format:
+    """A named pair of weight and activation schemes (activation ``None``: weight-only)."""
+
+    name: str
+    weight: WeightScheme
+    activation: ActivationScheme | None
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this for the format (its K block)."""
+        return self.weight.block[1] or 1
+
+    def quantize_weight(self, w: torch.Tensor, scale: torch.Tensor | None = None,
+                        tensor_scale: torch.Tensor | None = None) -> QuantizedWeight:
+        """Quantize ``w [N, K]`` (round to nearest), with RTN scales unless ``scale`` is given."""
+        check_weight(w, self)
+        if scale is None:
+            scale, computed_ts = self.weight.compute_scales(w)
+            tensor_scale = computed_ts if tensor_scale is None else tensor_scale
+        data = self.weight.quantize(w, scale, tensor_scale)
+        return QuantizedWeight(self.name, data, scale, tensor_scale, (w.shape[0], w.shape[1]))
+
+
+_FORMATS = {
+    f.name: f
+    for f in (
+        Format("nvfp4", NVFP4Weight(), NVFP4Activation()),
+        Format("nvfp4-w4a16", NVFP4Weight(), None),
+        Format("mxfp8", MXWeight(8), MXActivation(8)),
+        Format("mxfp4", MXWeight(4), MXActivation(4)),
+        Format("fp8-block", FP8Weight((128, 128)), FP8Activation(128, per_token=True)),
+        Format("fp8-dynamic", FP8Weight((1, 0)), FP8Activation(0, per_token=True)),
+        Format("fp8", FP8Weight((0, 0)), FP8Activation(0, per_token=False)),
+    )
+}
+FORMAT_NAMES = tuple(_FORMATS)
+
+
+def get_format(name: str | Format) -> Format:
+    """The :class:`Format` called ``name``; a ``ValueError`` listing the valid names otherwise."""
+    if isinstance(name, Format):
+        return name
+    try:
+        return _FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}") from None
+
+
+def check_weight(w: torch.Tensor, fmt: Format) -> None:
+    """Raise ``ValueError`` naming the problem if ``w`` cannot be quantized to ``fmt``."""
+    if w.dim() != 2:
+        raise ValueError(f"{fmt.name}: weights must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"{fmt.name}: weights must be floating point, got {w.dtype}")
+    if w.shape[1] % fmt.k_multiple:
+        raise ValueError(f"{fmt.name}: K={w.shape[1]} is not divisible by the block size {fmt.k_multiple}")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{fmt.name}: weights contain NaN or Inf ({(~torch.isfinite(w)).sum().item()} values)")
+
+
+__all__ = ["Format", "FORMAT_NAMES", "QuantizedWeight", "check_weight", "get_format"]

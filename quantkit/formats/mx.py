@@ -1,0 +1,87 @@
+"""OCP Microscaling: MXFP8 (E4M3) and MXFP4 (E2M1) values, one E8M0 scale per 32 K elements.
+
+Scale ``X = 2**(floor(log2(block_amax)) - emax_elem)`` (emax 8 for E4M3, 2 for E2M1), stored as
+the E8M0 byte ``e`` with ``X = 2**(e-127)``; an all-zero block gets ``e = 0``. Values are
+``elem(x / X)`` rounded to nearest even and saturated (the FLOOR rule can overflow the element
+range by < 2×, which saturates). MXFP4 values are packed two per byte like NVFP4.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.formats.base import QuantizedWeight
+from quantkit.formats.codecs import (
+    E2M1_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_encode,
+    e8m0_decode,
+    e8m0_from_amax,
+    pack_nibbles,
+    unpack_nibbles,
+)
+
+BLOCK = 32
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"MX formats need the last dim divisible by {BLOCK}, got {x.shape[-1]}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+class MXElement:
+    """One MX element type: E4M3 (``bits=8``) or E2M1 (``bits=4``)."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.emax = 8 if bits == 8 else 2
+
+    def scales(self, x: torch.Tensor) -> torch.Tensor:
+        """E8M0 bytes ``[..., K/32]`` for ``x [..., K]``."""
+        return e8m0_from_amax(_blocks(x).abs().amax(-1), self.emax)
+
+    def encode(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Values of ``x`` under E8M0 ``scale``: FP8 ``[..., K]`` or packed uint8 ``[..., K/2]``."""
+        scaled = (_blocks(x) / e8m0_decode(scale).unsqueeze(-1)).reshape(x.shape)
+        return e4m3_encode(scaled) if self.bits == 8 else pack_nibbles(e2m1_encode(scaled.clamp(-E2M1_MAX, E2M1_MAX)))
+
+    def decode(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """FP32 ``[..., K]`` from values and E8M0 scales."""
+        vals = data.float() if self.bits == 8 else e2m1_decode(unpack_nibbles(data))
+        return (_blocks(vals) * e8m0_decode(scale).unsqueeze(-1)).reshape(vals.shape)
+
+
+class MXWeight:
+    """MX weights ``[N, K]`` with E8M0 scales ``[N, K/32]`` (uint8)."""
+
+    block = (1, BLOCK)
+
+    def __init__(self, bits: int):
+        self.elem = MXElement(bits)
+
+    def compute_scales(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return self.elem.scales(w), None
+
+    def quantize(self, w: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        return self.elem.encode(w, scale)
+
+    def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
+        return self.elem.decode(qw.data, qw.scale)
+
+
+class MXActivation:
+    """Dynamic MX activations: E8M0 scale per 32 computed on the fly."""
+
+    block = BLOCK
+    static = False
+
+    def __init__(self, bits: int):
+        self.elem = MXElement(bits)
+
+    def input_scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        raise TypeError("MX activations are dynamic: they take no calibrated input scale")
+
+    def qdq(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        scale = self.elem.scales(x)
+        return self.elem.decode(self.elem.encode(x, scale), scale)
