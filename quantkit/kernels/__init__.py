@@ -1,0 +1,91 @@
+"""GEMM dispatch: one entry point, ``gemm``, that picks a backend by device and format.
+
+Backends, in order of preference: CuTeDSL kernels for Blackwell (``sm100``) and Hopper (``sm90``)
+when the input lives on such a GPU and the kernel supports the format and epilogue, else the
+PyTorch reference (:mod:`quantkit.kernels.reference`), which computes the same function anywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.formats import QuantizedWeight
+from quantkit.kernels import reference
+from quantkit.kernels.epilogue import IDENTITY, Epilogue
+
+log = logging.getLogger(__name__)
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A GPU kernel family: ``supports(x, qweight, epilogue)`` then ``run(x, qweight, epilogue, **kw)``."""
+
+    name: str
+    capability: tuple[int, ...]          # device major versions it runs on
+    supports: Callable[[torch.Tensor, QuantizedWeight, Epilogue], bool]
+    run: Callable[..., object]
+
+
+_BACKENDS: list[Backend] = []
+
+
+def register_backend(backend: Backend) -> None:
+    """Add a kernel backend (kernel modules call this when imported by :func:`_load_backends`)."""
+    _BACKENDS.append(backend)
+
+
+@contextlib.contextmanager
+def use_reference() -> Iterator[None]:
+    """Within this block every :func:`gemm` takes the PyTorch reference path."""
+    previous = getattr(_state, "reference", False)
+    _state.reference = True
+    try:
+        yield
+    finally:
+        _state.reference = previous
+
+
+def _load_backends() -> None:
+    if getattr(_load_backends, "done", False):
+        return
+    _load_backends.done = True
+    for module in ("quantkit.kernels.sm90", "quantkit.kernels.sm100"):
+        try:
+            __import__(module)
+        except ImportError as err:  # CuTeDSL not installed: reference only
+            log.info("kernel backend %s unavailable: %s", module, err)
+
+
+def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY) -> Backend | None:
+    """The GPU backend ``gemm`` would use for these operands, or ``None`` for the reference path."""
+    if getattr(_state, "reference", False) or not x.is_cuda:
+        return None
+    _load_backends()
+    major = torch.cuda.get_device_capability(x.device)[0]
+    for backend in _BACKENDS:
+        if major in backend.capability and backend.supports(x, qweight, epilogue):
+            return backend
+    return None
+
+
+def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY, *,
+         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         input_scale: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+    """Quantized linear ``x [..., K] × qweight [N', K] -> [..., N]`` with a fused ``epilogue``.
+
+    ``input_scale``: calibrated activation scale for static formats; ``weight``: a cached
+    dequantized weight for the reference path. Same result as :func:`reference.gemm` within the
+    backend's documented tolerance."""
+    backend = select_backend(x, qweight, epilogue)
+    if backend is not None:
+        return backend.run(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale)
+    return reference.gemm(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale, weight=weight)
+
+
+__all__ = ["Backend", "Epilogue", "gemm", "register_backend", "select_backend", "use_reference"]

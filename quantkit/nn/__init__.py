@@ -1,0 +1,5 @@
+"""Quantized modules and the model-level swap."""
+from quantkit.nn.linear import QuantLinear
+from quantkit.nn.swap import QuantizationReport, quantize_model
+
+__all__ = ["QuantLinear", "QuantizationReport", "quantize_model"]

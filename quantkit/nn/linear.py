@@ -1,0 +1,97 @@
+"""QuantLinear: a drop-in ``nn.Linear`` whose weight is stored quantized."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit import kernels
+from quantkit.formats import Format, QuantizedWeight, get_format
+from quantkit.kernels.epilogue import Epilogue
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held as a :class:`QuantizedWeight` in buffers.
+
+    Buffers (all in ``state_dict``): ``weight`` (packed values), ``weight_scale`` (block scales),
+    ``weight_tensor_scale`` (FP32 scalar, NVFP4 only), ``input_scale`` (FP32 scalar, only for
+    static activation schemes after calibration). ``forward`` runs :func:`quantkit.kernels.gemm`:
+    a GPU kernel where one fits, the PyTorch reference elsewhere.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, format: str | Format = "nvfp4",
+                 static_input: bool = False, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+        super().__init__()
+        fmt = get_format(format)
+        if in_features % fmt.k_multiple:
+            raise ValueError(f"{fmt.name}: in_features={in_features} is not divisible by the block size {fmt.k_multiple}")
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt.name
+        template = fmt.quantize_weight(torch.ones(out_features, in_features))
+        self.register_buffer("weight", torch.empty_like(template.data, device=device))
+        self.register_buffer("weight_scale", torch.empty_like(template.scale, device=device))
+        if template.tensor_scale is not None:
+            self.register_buffer("weight_tensor_scale", torch.empty((), dtype=torch.float32, device=device))
+        else:
+            self.weight_tensor_scale = None
+        if static_input:
+            if fmt.activation is None or not fmt.activation.static:
+                raise ValueError(f"{fmt.name} takes no calibrated input scale")
+            self.register_buffer("input_scale", torch.empty((), dtype=torch.float32, device=device))
+        else:
+            self.input_scale = None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.epilogue = Epilogue(bias=bias)
+        self._dequantized: torch.Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str | Format = "nvfp4", *, qweight: QuantizedWeight | None = None,
+                    input_scale: torch.Tensor | None = None) -> QuantLinear:
+        """Quantize ``linear`` (round to nearest unless ``qweight`` is given, e.g. from calibration)."""
+        fmt = get_format(format)
+        w = linear.weight.detach()
+        qweight = qweight or fmt.quantize_weight(w.float())
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, format=fmt,
+                     static_input=input_scale is not None, dtype=w.dtype, device=w.device)
+        module.load_quantized(qweight, input_scale)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def load_quantized(self, qweight: QuantizedWeight, input_scale: torch.Tensor | None = None) -> None:
+        """Copy ``qweight`` (and a calibrated ``input_scale``) into this module's buffers."""
+        if qweight.format != self.format or tuple(qweight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"cannot load a {qweight.format} {tuple(qweight.shape)} weight into "
+                             f"{self.format} ({self.out_features}, {self.in_features})")
+        self.weight.copy_(qweight.data)
+        self.weight_scale.copy_(qweight.scale)
+        if self.weight_tensor_scale is not None:
+            self.weight_tensor_scale.copy_(qweight.tensor_scale)
+        if input_scale is not None:
+            self.input_scale.copy_(input_scale)
+        self._dequantized = None
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The weight as a :class:`QuantizedWeight` (views of the buffers)."""
+        return QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
+                               (self.out_features, self.in_features))
+
+    def _apply(self, fn, recurse=True):
+        self._dequantized = None  # device/dtype moves invalidate the reference cache
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._dequantized = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """FP32 ``[N, K]`` dequantized weight, cached for the reference path."""
+        if self._dequantized is None:
+            self._dequantized = self.qweight.dequantize()
+        return self._dequantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cached = None if x.is_cuda else self.dequantized_weight()
+        return kernels.gemm(x, self.qweight, self.epilogue, bias=self.bias, input_scale=self.input_scale, weight=cached)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}"

@@ -1,0 +1,143 @@
+"""quantize_model: swap a model's ``nn.Linear`` layers for :class:`QuantLinear` in place."""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.formats import QuantizedWeight, get_format
+from quantkit.nn.linear import QuantLinear
+
+DEFAULT_IGNORE = ("lm_head", "*.lm_head", "*mlp.gate", "*router*")
+# Sibling projections that inference engines fuse into one GEMM: they must share tensor scales.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+@dataclass
+class LayerResult:
+    """One Linear layer: quantized (``reason`` empty) or skipped (``reason`` says why)."""
+
+    name: str
+    shape: tuple[int, int]
+    reason: str = ""
+    sqnr_db: float | None = None
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+@dataclass
+class QuantizationReport:
+    """What :func:`quantize_model` did to every ``nn.Linear`` of the model."""
+
+    format: str
+    layers: list[LayerResult] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[LayerResult]:
+        return [r for r in self.layers if not r.reason]
+
+    @property
+    def skipped(self) -> list[LayerResult]:
+        return [r for r in self.layers if r.reason]
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """True if module ``name`` matches a glob pattern or a ``re:``-prefixed regular expression."""
+    for p in patterns:
+        if p.startswith("re:") and re.fullmatch(p[3:], name) or fnmatch.fnmatchcase(name, p):
+            return True
+    return False
+
+
+def fused_groups(names: Iterable[str]) -> list[list[str]]:
+    """Groups of module names (same parent) that engines fuse, e.g. ``[a.q_proj, a.k_proj, a.v_proj]``."""
+    names = set(names)
+    groups = []
+    for members in FUSED_GROUPS:
+        for name in sorted(names):
+            parent, _, leaf = name.rpartition(".")
+            if leaf == members[0]:
+                group = [f"{parent}.{m}" if parent else m for m in members]
+                if all(g in names for g in group):
+                    groups.append(group)
+    return groups
+
+
+def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10·log10(|w|² / |w - ŵ|²)`` in dB."""
+    noise = (w.double() - w_hat.double()).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(w.double().pow(2).sum().item() / noise)
+
+
+def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
+    fmt = get_format(fmt_name)
+    chosen, skipped = {}, []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        shape = tuple(module.weight.shape)
+        if matches(name, ignore):
+            skipped.append(LayerResult(name, shape, "ignored by pattern"))
+        elif module.in_features % fmt.k_multiple:
+            skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {fmt.k_multiple}"))
+        else:
+            chosen[name] = module
+    return chosen, skipped
+
+
+def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
+    """The Linear layers :func:`quantize_model` would quantize, and those it would skip (with reasons)."""
+    return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore))
+
+
+def shared_weight_amax(layers: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:
+    """Per layer, the weight amax its tensor scale derives from: the max over its fused group."""
+    amax = {n: m.weight.detach().float().abs().amax() for n, m in layers.items()}
+    for group in fused_groups(layers):
+        shared = torch.stack([amax[n] for n in group]).max()
+        amax.update({n: shared for n in group})
+    return amax
+
+
+def rtn_quantize(layers: Mapping[str, nn.Linear], format: str) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest weights for ``layers``, fused groups sharing one tensor scale."""
+    fmt = get_format(format)
+    amax = shared_weight_amax(layers)
+    out = {}
+    for name, m in layers.items():
+        w = m.weight.detach().float()
+        scale, ts = fmt.weight.compute_scales(w, amax[name])
+        out[name] = fmt.quantize_weight(w, scale, ts)
+    return out
+
+
+def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str] | None = None, *,
+                   qweights: Mapping[str, QuantizedWeight] | None = None,
+                   input_scales: Mapping[str, torch.Tensor] | None = None) -> QuantizationReport:
+    """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
+
+    Layers matching ``ignore`` (glob or ``re:`` patterns; default :data:`DEFAULT_IGNORE`) or whose K
+    is not a multiple of the format's block are left as they are and reported with the reason.
+    ``qweights`` / ``input_scales`` (by module name) come from calibration; missing weights are
+    quantized round-to-nearest. Returns a :class:`QuantizationReport`.
+    """
+    get_format(format)
+    layers, skipped = plan_layers(model, format, ignore)
+    missing = {n: m for n, m in layers.items() if not qweights or n not in qweights}
+    chosen = {**rtn_quantize(missing, format), **{n: q for n, q in (qweights or {}).items() if n in layers}}
+    report = QuantizationReport(format, skipped)
+    for name, linear in layers.items():
+        qw = chosen[name]
+        q = QuantLinear.from_linear(linear, format, qweight=qw, input_scale=(input_scales or {}).get(name))
+        w = linear.weight.detach()
+        report.layers.append(LayerResult(
+            name, tuple(w.shape), sqnr_db=sqnr_db(w, qw.dequantize()), bytes_before=w.numel() * w.element_size(),
+            bytes_after=sum(t.numel() * t.element_size() for t in (q.weight, q.weight_scale))))
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, q)
+    return report
