@@ -36,6 +36,7 @@ class QuantizationReport:
 
     format: str
     layers: list[LayerResult] = field(default_factory=list)
+    calibration: object | None = None  # quantkit.calibrate.pipeline.CalibrationInfo when data was used
 
     @property
     def quantized(self) -> list[LayerResult]:

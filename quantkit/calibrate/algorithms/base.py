@@ -1,0 +1,61 @@
+"""The interface every calibration algorithm implements, and the per-layer context it works on.
+
+An algorithm belongs to one *stage*; a recipe runs its algorithms stage by stage on each decoder
+layer: ``transform`` (change the float weights/norms so they quantize better, output unchanged:
+AWQ, SmoothQuant), ``scales`` (choose weight scales: MSE search), ``round`` (turn weights + scales
+into a :class:`QuantizedWeight`: RTN, GPTQ). A recipe without a ``round`` algorithm gets RTN.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from quantkit.calibrate.observers import InputStats
+from quantkit.formats import Format, QuantizedWeight
+
+STAGES = ("transform", "scales", "round")
+
+
+@dataclass
+class LayerContext:
+    """One decoder layer during calibration.
+
+    ``linears``: the layer's Linear modules to quantize, by full model name. ``stats``: their input
+    statistics. ``groups``: fused sibling groups (share tensor scales). ``weight_amax``: per layer,
+    the amax its NVFP4 tensor scale derives from (max over its fused group). ``run_block``: runs
+    the float decoder layer on the calibration inputs and returns its outputs (for algorithms that
+    measure output error). Algorithms fill ``scales`` (``(scale, tensor_scale)`` by name) and
+    ``qweights``."""
+
+    fmt: Format
+    block: nn.Module
+    linears: dict[str, nn.Linear]
+    stats: dict[str, InputStats]
+    groups: list[list[str]]
+    weight_amax: dict[str, torch.Tensor]
+    run_block: Callable[[], list[torch.Tensor]]
+    scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+    def rtn_scales(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Round-to-nearest scales of layer ``name`` (fused-group tensor scale), unless a ``scales``
+        algorithm already chose them."""
+        if name not in self.scales:
+            w = self.linears[name].weight.detach().float()
+            self.scales[name] = self.fmt.weight.compute_scales(w, self.weight_amax[name])
+        return self.scales[name]
+
+
+class Algorithm:
+    """A calibration algorithm: ``stage``, options from the recipe, ``apply(ctx)``."""
+
+    name: ClassVar[str]
+    stage: ClassVar[str]
+    needs_hessian: ClassVar[bool] = False
+
+    def apply(self, ctx: LayerContext) -> None:
+        raise NotImplementedError

@@ -1,0 +1,184 @@
+"""Sequential (layer-by-layer) calibration.
+
+1. One cheap pass records, for every decoder layer, the keyword arguments the model gives it
+   (masks, rotary embeddings: they differ between layer types) and the hidden states entering
+   layer 0. Layers are replaced by identities for that pass, so no layer runs.
+2. For each decoder layer in turn: move it to the device, run the calibration hidden states
+   through it with observers on its Linear inputs, run the recipe's algorithms, swap its Linears
+   for QuantLinears, compute its outputs (the next layer's inputs), and move it back.
+
+Only one decoder layer and the hidden states are on the device at a time; hidden states go to
+the offload device too when they do not fit ``max_device_bytes`` beside a layer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.calibrate.algorithms import LayerContext, build
+from quantkit.calibrate.observers import InputObserver
+from quantkit.calibrate.recipe import Recipe
+from quantkit.formats import get_format
+from quantkit.nn.swap import QuantizationReport, fused_groups, plan_layers, quantize_model, shared_weight_amax
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not run as asked (model structure, memory budget)."""
+
+
+@dataclass
+class CalibrationInfo:
+    """How a calibration run used memory: ``block_bytes`` (largest decoder layer), ``state_bytes``
+    (hidden states), ``offloaded`` (hidden states kept on the offload device)."""
+
+    layers: int
+    block_bytes: int
+    state_bytes: int
+    offloaded: bool
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The ``nn.ModuleList`` holding the decoder layers (the longest list of Linear-bearing blocks)."""
+    best = ("", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(
+                any(isinstance(m, nn.Linear) for m in block.modules()) for block in module):
+            if best[1] is None or len(module) > len(best[1]):
+                best = (name, module)
+    if best[1] is None:
+        raise CalibrationError("found no list of decoder layers (nn.ModuleList of blocks with Linear layers) in the model")
+    return best
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _move_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    inside = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) not in inside:
+            module._apply(lambda t: t.to(device), recurse=False)
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]):
+    """Run ``model`` with every layer replaced by an identity; return, per batch, the hidden states
+    entering layer 0 and, per layer, the keyword arguments it was called with."""
+    records: list[tuple[torch.Tensor, list[dict]]] = []
+
+    def recorder(i: int) -> Callable:
+        def forward(hidden_states, *args, **kwargs):
+            if i == 0:
+                records.append((hidden_states, []))
+            records[-1][1].append(kwargs)
+            return hidden_states
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)
+    try:
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for layer in layers:
+            del layer.forward
+    return records
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch.Tensor | None = None, *,
+             device: str | torch.device | None = None, batch_size: int = 8, max_device_bytes: int | None = None,
+             offload_device: str | torch.device = "cpu",
+             progress: Callable[[int, int], None] | None = None) -> QuantizationReport:
+    """Calibrate ``model`` on ``calib_data`` (``int64 [num_samples, seq_len]`` token ids, see
+    :func:`quantkit.calibrate.data.token_samples`) and swap its Linear layers for QuantLinears.
+
+    Formats with only dynamic activations and RTN-only recipes need no data (``calib_data`` may be
+    ``None``). ``device``: where each layer is calibrated (default: CUDA if present, else CPU).
+    ``max_device_bytes``: the memory one layer plus the hidden states may take there.
+    ``progress(done, total)`` is called after each layer. Returns the :class:`QuantizationReport`
+    (with ``.calibration``: :class:`CalibrationInfo` when data was used)."""
+    recipe = recipe if isinstance(recipe, Recipe) else Recipe(recipe)
+    fmt = get_format(recipe.format)
+    algos = build(list(recipe.algorithms), recipe.options)
+    static_input = fmt.activation is not None and fmt.activation.static
+    if not static_input and all(a.name == "rtn" for a in algos):
+        return quantize_model(model, fmt.name, recipe.ignore)
+    if calib_data is None:
+        raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prefix, layers = find_decoder_layers(model)
+    planned, skipped = plan_layers(model, fmt.name, recipe.ignore)
+
+    _move_outside(model, layers, device)
+    batches = [b.to(device) for b in calib_data.split(batch_size)]
+    records = capture_layer_inputs(model, layers, batches)
+    block_bytes = max(_nbytes(layer) for layer in layers)
+    state_bytes = 2 * sum(h.numel() * h.element_size() for h, _ in records)
+    offloaded = max_device_bytes is not None and block_bytes + state_bytes > max_device_bytes
+    if offloaded:
+        batch_bytes = max(h.numel() * h.element_size() for h, _ in records) * 2
+        if block_bytes + batch_bytes > max_device_bytes:
+            raise CalibrationError(f"one decoder layer ({block_bytes} bytes) and one batch of hidden states ({batch_bytes} "
+                                   f"bytes) do not fit max_device_bytes={max_device_bytes}: lower --batch-size or raise the budget")
+    state_device = torch.device(offload_device) if offloaded else device
+    hidden = [h.to(state_device) for h, _ in records]
+
+    report = QuantizationReport(fmt.name, list(skipped))
+    needs_hessian = any(a.needs_hessian for a in algos)
+    for i, layer in enumerate(layers):
+        layer.to(device)
+        scope = f"{prefix}.{i}."
+        linears = {n: m for n, m in planned.items() if n.startswith(scope)}
+
+        def run_block(layer=layer, i=i) -> list[torch.Tensor]:
+            return [_hidden(layer(h.to(device), **_to(kws[i], device))).to(state_device)
+                    for h, (_, kws) in zip(hidden, records)]
+
+        observers = {n: InputObserver(m, hessian=needs_hessian) for n, m in linears.items()}
+        float_out = run_block()
+        ctx = LayerContext(fmt, layer, linears, {n: o.finish() for n, o in observers.items()},
+                           fused_groups(linears), shared_weight_amax(linears), run_block)
+        for algo in algos:
+            algo.apply(ctx)
+        input_scales = {}
+        if static_input:
+            for group in [*ctx.groups, *[[n] for n in linears if not any(n in g for g in ctx.groups)]]:
+                amax = torch.stack([ctx.stats[n].amax for n in group]).max()
+                input_scales.update({n: fmt.activation.input_scale_from_amax(amax) for n in group})
+        rel = {n[len(scope):]: n for n in linears}
+        ignore = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and scope + n not in linears]
+        part = quantize_model(layer, fmt.name, ignore, qweights={r: ctx.qweights[n] for r, n in rel.items()},
+                              input_scales={r: input_scales[n] for r, n in rel.items() if n in input_scales})
+        for res in part.quantized:
+            res.name = rel[res.name]
+            report.layers.append(res)
+        hidden = run_block() if recipe.propagate == "quantized" else float_out
+        layer.to(offload_device)
+        if progress:
+            progress(i + 1, len(layers))
+
+    rest = {n for n in planned if not n.startswith(prefix + ".")}
+    if rest:  # Linear layers outside the decoder blocks: round to nearest, no activation statistics
+        outside = quantize_model(model, fmt.name, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in rest])
+        report.layers.extend(outside.quantized)
+    _move_outside(model, layers, torch.device(offload_device))
+    report.calibration = CalibrationInfo(len(layers), block_bytes, state_bytes, offloaded)
+    return report

@@ -1,0 +1,38 @@
+"""Recipe: what the user asked for — format, algorithms, ignore patterns, calibration options."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quantkit.formats import get_format
+from quantkit.nn.swap import DEFAULT_IGNORE
+
+# The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md).
+DEFAULT_ALGORITHMS: dict[str, tuple[str, ...]] = {}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """``format`` (a :func:`quantkit.formats.get_format` name); ``algorithms`` in any order (each
+    stage at most once, see :mod:`quantkit.calibrate.algorithms`); ``ignore`` glob/``re:``
+    patterns of Linear names to leave alone; ``options`` per algorithm; ``propagate``: feed each
+    decoder layer the outputs of the already *quantized* previous layers (``"quantized"``) or of the
+    float ones (``"float"``)."""
+
+    format: str = "nvfp4"
+    algorithms: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    options: dict[str, dict] = field(default_factory=dict)
+    propagate: str = "quantized"
+
+    def __post_init__(self) -> None:
+        get_format(self.format)
+        if self.propagate not in ("quantized", "float"):
+            raise ValueError(f"propagate must be 'quantized' or 'float', got {self.propagate!r}")
+        if not self.algorithms:
+            object.__setattr__(self, "algorithms", DEFAULT_ALGORITHMS.get(self.format, ("rtn",)))
+
+    @classmethod
+    def parse(cls, format: str, algo: str | None = None, ignore: list[str] | None = None, **kwargs) -> Recipe:
+        """From CLI-style strings: ``algo`` like ``"awq+gptq+mse"``; ``ignore`` adds to the defaults."""
+        algorithms = tuple(a.strip() for a in algo.split("+") if a.strip()) if algo else ()
+        return cls(format, algorithms, DEFAULT_IGNORE + tuple(ignore or ()), **kwargs)
