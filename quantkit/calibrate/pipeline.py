@@ -118,8 +118,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     recipe = recipe if isinstance(recipe, Recipe) else Recipe(recipe)
     fmt = get_format(recipe.format)
     algos = build(list(recipe.algorithms), recipe.options)
-    static_input = fmt.activation is not None and fmt.activation.static
-    if not static_input and all(a.name == "rtn" for a in algos):
+    if not recipe.needs_data:
         return quantize_model(model, fmt.name, recipe.ignore)
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
@@ -159,7 +158,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         for algo in algos:
             algo.apply(ctx)
         input_scales = {}
-        if static_input:
+        if fmt.activation is not None and fmt.activation.static:
             for group in [*ctx.groups, *[[n] for n in linears if not any(n in g for g in ctx.groups)]]:
                 amax = torch.stack([ctx.stats[n].amax for n in group]).max()
                 input_scales.update({n: fmt.activation.input_scale_from_amax(amax) for n in group})

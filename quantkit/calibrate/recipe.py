@@ -31,6 +31,14 @@ class Recipe:
         if not self.algorithms:
             object.__setattr__(self, "algorithms", DEFAULT_ALGORITHMS.get(self.format, ("rtn",)))
 
+    @property
+    def needs_data(self) -> bool:
+        """True when calibration data is needed: static activation scales or a data-driven algorithm."""
+        from quantkit.calibrate.algorithms import ALIASES
+
+        act = get_format(self.format).activation
+        return (act is not None and act.static) or any(ALIASES.get(a, a) != "rtn" for a in self.algorithms)
+
     @classmethod
     def parse(cls, format: str, algo: str | None = None, ignore: list[str] | None = None, **kwargs) -> Recipe:
         """From CLI-style strings: ``algo`` like ``"awq+gptq+mse"``; ``ignore`` adds to the defaults."""

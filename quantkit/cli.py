@@ -1,0 +1,136 @@
+"""``quantkit`` command line: quantize, inspect, eval, bench."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Quantize Hugging Face models to NVFP4 / FP8 / MX, evaluate and benchmark them.")
+console = Console(stderr=True)
+
+FORMAT_HELP = "nvfp4 | nvfp4-w4a16 | fp8-block | fp8-dynamic | fp8 | mxfp8 | mxfp4"
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit with status 2."""
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+def _summary(report, seconds: float) -> Table:
+    table = Table(title=f"{report.format}: {len(report.quantized)} layers quantized, {len(report.skipped)} skipped, {seconds:.1f} s")
+    for col in ("layer", "shape", "SQNR dB", "MB before", "MB after", "note"):
+        table.add_column(col, justify="left" if col in ("layer", "note") else "right")
+    for r in report.layers:
+        sqnr = "" if r.sqnr_db is None else ("inf" if math.isinf(r.sqnr_db) else f"{r.sqnr_db:.1f}")
+        table.add_row(r.name, "×".join(map(str, r.shape)), sqnr, f"{r.bytes_before / 1e6:.2f}" if r.bytes_before else "",
+                      f"{r.bytes_after / 1e6:.2f}" if r.bytes_after else "", r.reason)
+    before = sum(r.bytes_before for r in report.quantized)
+    after = sum(r.bytes_after for r in report.quantized)
+    table.add_row("[bold]total", "", "", f"{before / 1e6:.1f}", f"{after / 1e6:.1f}", f"{before / max(after, 1):.2f}× smaller")
+    return table
+
+
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(help="'demo' (Gemma-3-270M, offline), a local HF model directory, or a hub id.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output checkpoint directory (written atomically).")],
+    format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP)] = "nvfp4",
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: a .txt/.jsonl/.parquet file or directory, a hub dataset id (name[:config]); default: the embedded corpus.")] = None,
+    samples: Annotated[int, typer.Option(help="Number of calibration sequences.")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 512,
+    algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+', e.g. 'rtn', 'mse', 'gptq', 'awq+gptq+mse'; default: the format's default recipe.")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
+    export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
+    device: Annotated[Optional[str], typer.Option(help="Where to calibrate: cuda | cpu (default: cuda if present).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Calibration sequences per forward pass.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed for sampling calibration text.")] = 0,
+) -> None:
+    """Quantize MODEL and write a checkpoint vLLM loads.
+
+    Example: quantkit quantize demo --format nvfp4 --out /tmp/q
+    """
+    import torch
+
+    from quantkit.calibrate import Recipe
+    from quantkit.calibrate import quantize as run_quantize
+    from quantkit.calibrate.data import load_texts, token_samples
+    from quantkit.export import save
+    from quantkit.models import load_model
+
+    start = time.time()
+    try:
+        recipe = Recipe.parse(format, algo, ignore)
+        if export not in ("compressed-tensors", "modelopt"):
+            raise ValueError(f"unknown export flavour {export!r}; valid: compressed-tensors, modelopt")
+        with _progress() as bars:
+            task = bars.add_task(f"loading {model}", total=None)
+            lm, tokenizer = load_model(model, device="cpu")
+            if device in (None, "cpu") and not torch.cuda.is_available():
+                lm = lm.float()  # bf16 matmuls are slow on CPUs; scales are computed in FP32 anyway
+            bars.update(task, total=1, completed=1)
+            ids = None
+            if recipe.needs_data:
+                texts = load_texts(calib, tokenizer)
+                context = getattr(lm.config, "max_position_embeddings", None)
+                ids = token_samples(texts, tokenizer, num_samples=samples, seq_len=seq_len, seed=seed, max_length=context)
+            task = bars.add_task(f"calibrating {recipe.format} ({'+'.join(recipe.algorithms)})", total=None)
+            report = run_quantize(lm, recipe, ids, device=device, batch_size=batch_size,
+                                  progress=lambda done, total: bars.update(task, completed=done, total=total))
+            bars.update(task, total=bars.tasks[task].total or 1, completed=bars.tasks[task].total or 1)
+            task = bars.add_task(f"writing {out}", total=None)
+            save(lm.to(torch.bfloat16), out, export=export, tokenizer=tokenizer)
+            bars.update(task, total=1, completed=1)
+    except (ValueError, RuntimeError, OSError) as err:
+        fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    console.print(_summary(report, time.time() - start))
+    console.print(f"wrote {out} ({export})")
+
+
+@app.command()
+def inspect(path: Annotated[Path, typer.Argument(help="A checkpoint directory written by quantkit (or llm-compressor / ModelOpt).")]) -> None:
+    """Print what a checkpoint holds: format, flavour, layers, tensor bytes.
+
+    Example: quantkit inspect /tmp/q
+    """
+    from quantkit.export import describe
+
+    try:
+        info = describe(path)
+    except (ValueError, OSError) as err:
+        fail(str(err))
+    table = Table(title=str(path))
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in info.items():
+        table.add_row(str(key), str(value))
+    Console().print(table)
+
+
+def _register_eval_commands() -> None:
+    try:
+        from quantkit.eval.commands import bench_command, eval_command
+    except ImportError:
+        return
+    app.command("eval")(eval_command)
+    app.command("bench")(bench_command)
+
+
+_register_eval_commands()
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    sys.exit(app())
