@@ -7,7 +7,8 @@ Numerics (bit-identical to torchao's ``nvfp4_quantize``):
 - block scale ``s_b = e4m3(clamp((block_amax / 6) / s_g, 2**-6, 448))``: never zero or subnormal,
   so an all-zero block gets ``s_b = 2**-6`` and quantizes to zeros;
 - values ``q = e2m1(clamp(x · ((1/s_g) / s_b), ±6))``, RNE;
-- dequantized ``x̂ = e2m1(q) · s_b · s_g``.
+- dequantized ``x̂ = (e2m1(q) · s_b) · s_g``: the first product is exact, so this is the
+  correctly rounded FP32 value of the exact product.
 
 NaN/Inf in weights are rejected by :func:`quantkit.formats.check_weight`; in activations they
 propagate to the block's outputs.
@@ -51,8 +52,8 @@ def quantize_values(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Te
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """FP32 ``[..., K]`` from unpacked codes, E4M3 block scales and the FP32 tensor scale."""
     vals = e2m1_decode(codes)
-    vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * (scale.float() * tensor_scale).unsqueeze(-1)
-    return vals.reshape(codes.shape)
+    vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * scale.float().unsqueeze(-1)  # exact
+    return vals.reshape(codes.shape) * tensor_scale  # one rounding
 
 
 class NVFP4Weight:

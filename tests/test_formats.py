@@ -1,0 +1,171 @@
+"""Reference numerics against independent references: torchao (NVFP4), torch's float8 cast, float64 math."""
+import math
+
+import pytest
+import torch
+
+from quantkit.formats import FORMAT_NAMES, get_format
+from quantkit.formats import codecs, fp8, layouts, mx, nvfp4
+
+
+def fresh(shape, seed, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+    if outliers:
+        w.view(-1)[torch.randint(0, w.numel(), (20,), generator=g)] *= 300.0
+        w[1, :16] = 0.0                     # an all-zero NVFP4 block
+        w[2, 16:48] = 1e-40                 # FP32 subnormals
+        w[3, 5] = -0.0
+    return w
+
+
+# ---------------------------------------------------------------- E2M1
+def test_e2m1_grid_and_ties_round_to_even():
+    vals = torch.tensor([0.0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 6.0, 7.0, 1e9])
+    want = [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, 6.0]
+    got = codecs.e2m1_decode(codecs.e2m1_encode(vals))
+    assert got.tolist() == want
+    assert codecs.e2m1_decode(codecs.e2m1_encode(-vals)).tolist() == [-v for v in want]
+
+
+def test_e2m1_matches_float64_nearest_even():
+    x = torch.randn(50000, dtype=torch.float64) * 3
+    grid = torch.tensor(codecs.E2M1_GRID, dtype=torch.float64)
+    a = x.abs().clamp(max=6.0)
+    dist = (a[:, None] - grid[None, :]).abs()
+    best = dist.min(1, keepdim=True).values
+    # among nearest grid points prefer the even index
+    cand = (dist == best).double() * (1 + (torch.arange(8) % 2 == 0).double())
+    ref = grid[cand.argmax(1)] * torch.sign(x)
+    assert torch.equal(codecs.e2m1_decode(codecs.e2m1_encode(x.float())).double(), ref)
+
+
+def test_nibble_packing_low_nibble_is_even_index():
+    codes = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
+    packed = codecs.pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x43]]
+    assert torch.equal(codecs.unpack_nibbles(packed), codes)
+
+
+def test_e4m3_equals_torch_cast_and_saturates():
+    x = torch.randn(100000) * 100
+    x[:4] = torch.tensor([1000.0, -1000.0, 448.0, 1e-9])
+    ref = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    got = codecs.e4m3_encode(x)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert got[0].float() == 448 and got[1].float() == -448
+    assert torch.isnan(codecs.e4m3_encode(torch.tensor([math.nan]))).all()
+
+
+def test_e8m0_scale_is_floor_log2_minus_emax():
+    amax = torch.tensor([1.0, 3.0, 448.0, 0.0, 2.0**-130])
+    e = codecs.e8m0_from_amax(amax, 8)
+    assert e.tolist() == [127 - 8, 128 - 8, 135 - 8, 0, 0]
+    assert codecs.e8m0_decode(torch.tensor([127, 128, 0], dtype=torch.uint8)).tolist() == [1.0, 2.0, 2.0**-127]
+
+
+# ---------------------------------------------------------------- NVFP4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_bit_exact_with_torchao(dtype, seed):
+    nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    w = fresh((96, 256), seed).to(dtype)
+    qw = get_format("nvfp4").quantize_weight(w)
+    pts = nvfp4_tensor.per_tensor_amax_to_scale(w.float().abs().amax())
+    scales, data = nvfp4_tensor.nvfp4_quantize(w, per_tensor_scale=pts)
+    assert qw.tensor_scale.item() == pts.item()
+    assert torch.equal(qw.scale.view(torch.uint8), scales.view(torch.uint8))
+    assert torch.equal(qw.data, data)
+
+
+def test_nvfp4_dequantize_is_float64_product():
+    w = fresh((32, 128), 3)
+    qw = get_format("nvfp4").quantize_weight(w)
+    codes = codecs.unpack_nibbles(qw.data)
+    ref = torch.tensor(codecs.E2M1_GRID, dtype=torch.float64)[(codes & 7).long()] * (1 - 2 * (codes >> 3).double())
+    ref = ref * qw.scale.double().repeat_interleave(16, 1) * qw.tensor_scale.double()
+    assert torch.equal(qw.dequantize().double(), ref.float().double())
+
+
+def test_nvfp4_all_zero_tensor_is_finite_zero():
+    qw = get_format("nvfp4").quantize_weight(torch.zeros(4, 32))
+    assert torch.equal(qw.dequantize(), torch.zeros(4, 32))
+
+
+# ---------------------------------------------------------------- FP8 and MX
+@pytest.mark.parametrize("block", [(0, 0), (1, 0), (128, 128), (1, 128)])
+def test_fp8_blocks_match_float64_reference(block):
+    x = fresh((136, 256), 4)
+    q, s = fp8.quantize(x, block)
+    br, bc = block[0] or 136, block[1] or 256
+    xd = x.double()
+    for i in range(0, 136, br):
+        for j in range(0, 256, bc):
+            blk = xd[i:i + br, j:j + bc]
+            amax = blk.abs().max()
+            scale = torch.tensor(amax.item() / 448.0 if amax > 0 else 1.0, dtype=torch.float32)
+            assert s[i // br, j // bc] == scale
+            ref = (x[i:i + br, j:j + bc] / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(q[i:i + br, j:j + bc].view(torch.uint8), ref.view(torch.uint8))
+    exact = q.double() * s.double().repeat_interleave(br, 0)[:136].repeat_interleave(bc, 1)
+    assert torch.equal(fp8.dequantize_with(q, s, block), exact.float())  # one correctly rounded product
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mx_matches_float64_reference(bits):
+    x = fresh((16, 128), 5)
+    elem = mx.MXElement(bits)
+    scale = elem.scales(x)
+    amax = x.double().abs().reshape(16, 4, 32).amax(-1)
+    emax = 8 if bits == 8 else 2
+    ref_e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-300))) - emax + 127, torch.zeros_like(amax)).clamp(0, 254)
+    assert torch.equal(scale.double(), ref_e)
+    out = elem.decode(elem.encode(x, scale), scale)
+    x_scaled = x.double().reshape(16, 4, 32) / torch.exp2(ref_e - 127).unsqueeze(-1)
+    if bits == 8:
+        ref = x_scaled.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    else:
+        ref = codecs.e2m1_decode(codecs.e2m1_encode(x_scaled.float().clamp(-6, 6))).double()
+    assert torch.equal(out.double(), (ref * torch.exp2(ref_e - 127).unsqueeze(-1)).reshape(16, 128))
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format_round_trips_with_bounded_error(name):
+    fmt = get_format(name)
+    w = fresh((256, 512), 6, outliers=False)
+    rel = ((fmt.quantize_weight(w).dequantize() - w).norm() / w.norm()).item()
+    assert rel < (0.2 if "4" in name else 0.05)
+    if fmt.activation is not None:
+        x = torch.randn(3, 7, 512)
+        xq = fmt.activation.qdq(x)
+        assert xq.shape == x.shape and ((xq - x).norm() / x.norm()).item() < (0.2 if "4" in name else 0.05)
+
+
+# ---------------------------------------------------------------- layouts and errors
+def test_blocked_layout_matches_documented_formula_and_inverts():
+    rows, cols = 160, 7
+    sf = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    flat = layouts.to_blocked(sf)
+    rk = math.ceil(cols / 4)
+    assert flat.numel() == math.ceil(rows / 128) * 128 * rk * 4
+    for r in range(rows):
+        for j in range(cols):
+            idx = (r // 128) * rk * 512 + (j // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (j % 4)
+            assert flat[idx] == sf[r, j]
+    assert int((flat != 0).sum()) == rows * cols  # padding is zero
+    assert torch.equal(layouts.from_blocked(flat, rows, cols), sf)
+    e4m3 = torch.randn(130, 5).to(torch.float8_e4m3fn)
+    assert torch.equal(layouts.from_blocked(layouts.to_blocked(e4m3), 130, 5).view(torch.uint8), e4m3.view(torch.uint8))
+
+
+def test_bad_input_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown format 'int3'.*nvfp4"):
+        get_format("int3")
+    with pytest.raises(ValueError, match="K=40 is not divisible by the block size 16"):
+        get_format("nvfp4").quantize_weight(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="floating point"):
+        get_format("fp8").quantize_weight(torch.ones(8, 32, dtype=torch.int32))
+    w = torch.randn(8, 32)
+    w[0, 0] = math.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        get_format("mxfp8").quantize_weight(w)
