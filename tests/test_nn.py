@@ -1,0 +1,114 @@
+"""QuantLinear, the reference GEMM and quantize_model against float64 math."""
+import pytest
+import torch
+from torch import nn
+
+from quantkit import kernels
+from quantkit.formats import FORMAT_NAMES, get_format
+from quantkit.kernels import reference
+from quantkit.kernels.epilogue import Epilogue, interleave_gate_up
+from quantkit.nn import QuantLinear, quantize_model
+from quantkit.nn.swap import fused_groups
+
+
+def linear(k=256, n=128, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(torch.exp(torch.randn(n, 1)))
+    return lin
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_quantlinear_equals_float64_reference(name):
+    fmt = get_format(name)
+    lin = linear()
+    q = QuantLinear.from_linear(lin, name)
+    x = torch.randn(5, 3, 256)
+    w = q.qweight.dequantize().double()
+    xq = (fmt.activation.qdq(x) if fmt.activation else x).double()
+    ref = xq @ w.T + lin.bias.double()
+    out = q(x)
+    assert out.shape == (5, 3, 128) and out.dtype == x.dtype
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_state_dict_round_trip_is_bit_exact():
+    lin = linear(bias=True)
+    q = QuantLinear.from_linear(lin, "nvfp4", input_scale=torch.tensor(0.01))
+    fresh = QuantLinear(256, 128, True, format="nvfp4", static_input=True, dtype=torch.float32)
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(4, 256)
+    assert set(q.state_dict()) == {"weight", "weight_scale", "weight_tensor_scale", "input_scale", "bias"}
+    assert torch.equal(fresh(x), q(x))
+
+
+def test_epilogue_reference_matches_float64():
+    gate, up = torch.randn(128, 64), torch.randn(128, 64)
+    w = interleave_gate_up(gate, up)
+    qw = get_format("nvfp4-w4a16").quantize_weight(w)
+    wd = qw.dequantize().double()
+    x, bias, res = torch.randn(6, 64), torch.randn(256), torch.randn(6, 128)
+    out = reference.gemm(x, qw, Epilogue(bias=True, activation="swiglu", residual=True), bias=bias, residual=res)
+    y = x.double() @ wd.T + bias.double()
+    g = torch.cat([y[:, i:i + 64] for i in range(0, 256, 128)], 1)
+    u = torch.cat([y[:, i + 64:i + 128] for i in range(0, 256, 128)], 1)
+    ref = g * torch.sigmoid(g) * u + res.double()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_requant_fp8_block_epilogue_decodes_to_bf16_output():
+    qw = get_format("fp8-block").quantize_weight(torch.randn(256, 256))
+    x = torch.randn(3, 256)
+    q, s = reference.gemm(x, qw, Epilogue(requant="fp8-block"))
+    y = reference.gemm(x, qw).to(torch.bfloat16).float()
+    decoded = q.float() * s.repeat_interleave(128, 1)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)
+    assert ((decoded - y).abs() <= y.abs() * 2.0 ** -4 + 1e-12).all()  # within half an E4M3 ulp
+
+
+def test_reference_mode_on_cpu_and_dispatch():
+    q = QuantLinear.from_linear(linear(), "fp8-block")
+    x = torch.randn(2, 256)
+    assert kernels.select_backend(x, q.qweight) is None
+    with kernels.use_reference():
+        assert torch.equal(q(x), q(x))
+
+
+def test_quantize_model_reports_every_linear_and_shares_fused_scales():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    report = quantize_model(model, "nvfp4", ignore=["lm_head", "*.0.mlp.down_proj"])
+    assert {r.name for r in report.layers} == names
+    assert {r.name: r.reason for r in report.skipped} == {
+        "lm_head": "ignored by pattern", "model.layers.0.mlp.down_proj": "ignored by pattern"}
+    fp8_model = LlamaForCausalLM(cfg)
+    fp8_report = quantize_model(fp8_model, "fp8-block")  # K=64/96 do not divide by 128: all skipped
+    assert {r.name: r.reason for r in fp8_report.skipped}["model.layers.0.mlp.down_proj"] == "K=96 not divisible by 128"
+    assert all(isinstance(model.get_submodule(r.name), QuantLinear) for r in report.quantized)
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj.weight_tensor_scale == attn.k_proj.weight_tensor_scale == attn.v_proj.weight_tensor_scale
+    amax = max(model.model.layers[1].self_attn.q_proj.qweight.dequantize().abs().max(), 0)
+    assert attn.q_proj.weight_tensor_scale.item() >= amax / (6 * 448) * 0.9
+    mlp = model.model.layers[1].mlp
+    assert mlp.gate_proj.weight_tensor_scale == mlp.up_proj.weight_tensor_scale
+    assert fused_groups(["a.q_proj", "a.k_proj", "a.v_proj", "b.q_proj"]) == [["a.q_proj", "a.k_proj", "a.v_proj"]]
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="in_features=40 is not divisible by the block size 16"):
+        QuantLinear(40, 8, format="nvfp4")
+    with pytest.raises(ValueError, match="takes no calibrated input scale"):
+        QuantLinear(64, 8, format="nvfp4-w4a16", static_input=True)
+
+
+def test_quantlinear_under_torch_compile():
+    q = QuantLinear.from_linear(linear(k=64, n=32), "nvfp4")
+    x = torch.randn(4, 64)
+    compiled = torch.compile(q, backend="aot_eager")
+    assert torch.allclose(compiled(x), q(x), rtol=0, atol=0)
