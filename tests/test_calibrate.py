@@ -1,0 +1,137 @@
+"""Sequential calibration pipeline and calibration data."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from quantkit.calibrate import CalibrationError, Recipe, quantize
+from quantkit.calibrate.data import CalibrationDataError, load_texts, token_samples
+from quantkit.formats import get_format
+from quantkit.nn import QuantLinear
+
+
+def tiny_llama(seed=0, layers=3):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def whole_model_input_amax(model, ids, batch_size):
+    """Independent reference: hooks on every Linear of the float model, one full forward per batch."""
+    amax = {}
+
+    def hook(name):
+        def f(_, args):
+            a = args[0].detach().abs().amax().float()
+            amax[name] = torch.maximum(amax.get(name, a), a)
+        return f
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad():
+        for batch in ids.split(batch_size):
+            model(input_ids=batch, use_cache=False)
+    for h in handles:
+        h.remove()
+    return amax
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_sequential_scales_equal_whole_model_calibration(fmt):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (6, 24))
+    ref = whole_model_input_amax(model, ids, 4)
+    report = quantize(model, Recipe(fmt, propagate="float"), ids, batch_size=4)
+    act = get_format(fmt).activation
+    for r in report.quantized:
+        q = model.get_submodule(r.name)
+        assert isinstance(q, QuantLinear)
+        assert torch.equal(q.input_scale, act.input_scale_from_amax(ref[r.name])), r.name
+
+
+def test_fused_projections_share_scales_and_every_linear_is_reported():
+    model = tiny_llama()
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    report = quantize(model, "nvfp4", torch.randint(0, 128, (4, 16)))
+    assert {r.name for r in report.layers} == names
+    assert {r.name: r.reason for r in report.skipped} == {"lm_head": "ignored by pattern"}
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        assert a.q_proj.weight_tensor_scale == a.k_proj.weight_tensor_scale == a.v_proj.weight_tensor_scale
+        assert a.q_proj.input_scale == a.k_proj.input_scale == a.v_proj.input_scale
+        assert m.gate_proj.weight_tensor_scale == m.up_proj.weight_tensor_scale
+        assert m.gate_proj.input_scale == m.up_proj.input_scale
+
+
+def test_small_device_budget_offloads_hidden_states_with_same_result():
+    ids = torch.randint(0, 128, (8, 32))
+    free, tight = tiny_llama(), tiny_llama()
+    ref = quantize(free, "nvfp4", ids, batch_size=2)
+    model_bytes = sum(p.numel() * p.element_size() for p in tight.parameters())
+    budget = ref.calibration.block_bytes + ref.calibration.state_bytes // 2
+    assert budget < model_bytes
+    report = quantize(tight, "nvfp4", ids, batch_size=2, max_device_bytes=budget)
+    assert report.calibration.offloaded and not ref.calibration.offloaded
+    for r in report.quantized:
+        assert torch.equal(tight.get_submodule(r.name).input_scale, free.get_submodule(r.name).input_scale)
+    with pytest.raises(CalibrationError, match="do not fit max_device_bytes"):
+        quantize(tiny_llama(), "nvfp4", ids, batch_size=2, max_device_bytes=ref.calibration.block_bytes)
+
+
+def test_quantized_propagation_feeds_quantized_outputs_forward():
+    ids = torch.randint(0, 128, (4, 16))
+    a, b = tiny_llama(), tiny_llama()
+    quantize(a, Recipe("nvfp4", propagate="float"), ids)
+    quantize(b, Recipe("nvfp4", propagate="quantized"), ids)
+    first = "model.layers.0.self_attn.q_proj"
+    last = "model.layers.2.mlp.down_proj"
+    assert torch.equal(a.get_submodule(first).input_scale, b.get_submodule(first).input_scale)
+    assert not torch.equal(a.get_submodule(last).input_scale, b.get_submodule(last).input_scale)
+
+
+def test_dynamic_formats_need_no_data():
+    model = tiny_llama()
+    report = quantize(model, "mxfp8", None)
+    assert len(report.quantized) == 21 and report.calibration is None
+    with pytest.raises(CalibrationError, match="needs calibration data"):
+        quantize(tiny_llama(), "nvfp4", None)
+
+
+# ------------------------------------------------------------------ data
+class CharTokenizer:
+    eos_token_id, bos_token_id = 1, None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 + (ord(c) % 100) for c in text]}
+
+
+def test_embedded_corpus_and_local_files(tmp_path):
+    assert sum(len(t) for t in load_texts(None)) > 200_000
+    (tmp_path / "a.txt").write_text("first passage\n\nsecond passage\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "json text"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert load_texts(tmp_path / "a.txt") == ["first passage", "second passage"]
+    assert load_texts(tmp_path / "b.jsonl") == ["json text", "hi"]
+    assert len(load_texts(tmp_path)) == 4
+    ids = token_samples(load_texts(tmp_path), CharTokenizer(), num_samples=3, seq_len=10, seed=1)
+    assert ids.shape == (3, 10) and ids.dtype == torch.long
+    stream = token_samples(load_texts(tmp_path), CharTokenizer(), num_samples=1, seq_len=1000, seed=1)[0].tolist()
+    assert 1 in stream  # passages are joined with EOS
+
+
+def test_bad_calibration_data_errors(tmp_path):
+    with pytest.raises(CalibrationDataError, match="does not exist"):
+        load_texts(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(CalibrationDataError, match="is empty"):
+        load_texts(tmp_path / "empty.txt")
+    with pytest.raises(CalibrationDataError, match="exceeds the model's context length 128"):
+        token_samples(["abc"], CharTokenizer(), num_samples=1, seq_len=512, max_length=128)
+
+
+def test_unknown_hub_dataset_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(CalibrationDataError, match="cannot load dataset 'no-such-org/no-such-set'"):
+        load_texts("no-such-org/no-such-set")
