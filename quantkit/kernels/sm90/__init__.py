@@ -1,0 +1,49 @@
+"""Hopper (sm_90a) CuTeDSL kernels, registered with :mod:`quantkit.kernels` as GEMM backends.
+
+Importing this package costs no CuTeDSL import or compilation: each backend imports its kernel
+module on first use.
+
+* ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`: ``fp8-block`` weights,
+  bf16 activations quantized per 1x128 group on the fly; epilogues bias, activation (incl.
+  interleaved SwiGLU), residual, requant to ``fp8-block``.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.formats import QuantizedWeight
+from quantkit.kernels import Backend, register_backend
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+
+
+def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
+    """Whether the sm90 fp8-block kernel computes ``x @ qweight`` with ``epilogue``."""
+    n, k = qweight.shape
+    if qweight.format != "fp8-block" or x.dtype != torch.bfloat16 or k % 128 or n % 64:
+        return False
+    if epilogue.requant not in (None, "fp8-block"):
+        return False
+    if epilogue.activation == "swiglu" and (n % (2 * SWIGLU_GROUP) or epilogue.requant is not None):
+        return False
+    return epilogue.requant is None or n % 128 == 0
+
+
+def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
+                  input_scale=None):
+    """``x [..., K]`` bf16 -> act_quant -> fp8-block GEMM + ``epilogue``: bf16 ``[..., N]``, or for
+    requant the pair (FP8 ``[M, N]``, FP32 scales ``[M, N/128]``) over the flattened rows."""
+    from quantkit.kernels.sm90.act_quant import act_quant_op
+    from quantkit.kernels.sm90.fp8_block_gemm import fp8_block_gemm_op, fp8_block_gemm_requant_op
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = act_quant_op(x.reshape(-1, k))
+    res = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
+    args = (xq, xs, qweight.data, qweight.scale, bias if epilogue.bias else None, res if epilogue.residual else None,
+            epilogue.activation)
+    if epilogue.requant is not None:
+        return fp8_block_gemm_requant_op(*args)
+    out = fp8_block_gemm_op(*args)
+    return out.reshape(*lead, out.shape[-1])
+
+
+register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_run))

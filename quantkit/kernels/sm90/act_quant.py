@@ -1,0 +1,163 @@
+"""Activation quantization for the fp8-block GEMM: bf16 ``x[M, K]`` -> FP8 E4M3 + FP32 scale per
+1x128 group, optionally fused with RMSNorm, as a CuTeDSL kernel (runs on sm_90a and later).
+
+Numerics (``quantkit.formats.fp8``, DeepSeek-V3 activations): per group of 128 along K,
+``s = amax/448`` (``s = 1`` for an all-zero group) and ``q = e4m3(x / s)`` (RNE, saturating).
+With RMSNorm (``norm_weight`` given) the quantized tensor is the bf16 RMSNorm output as Hugging Face
+Llama computes it: ``y = bf16(norm_weight * bf16(x * rsqrt(mean(x^2) + eps)))`` (mean and rsqrt
+in FP32). :func:`act_quant_reference` is that definition in PyTorch.
+
+The scales come out M-major, as the ``[M, K/128]`` view of a ``[K/128, roundup(M, 4)]`` buffer,
+which is the layout :mod:`quantkit.kernels.sm90.fp8_block_gemm` loads by TMA.
+
+Kernel: one CTA of 4 warps per row; each warp owns every 4th group, each lane 4 consecutive
+elements of it (8-byte loads, 4-byte FP8 stores); the group amax is a 5-step warp shuffle. With
+RMSNorm a first pass sums squares over the row (warp shuffle, then the 4 warps through shared
+memory) and the second pass re-reads the row (from L1/L2).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from quantkit.formats import fp8
+
+GROUP = 128
+FP8_MAX = 448.0
+_WARPS = 4
+
+
+def act_quant_reference(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+    """PyTorch definition of the kernel: ``(float8_e4m3fn [M, K], FP32 [M, K/128])`` for bf16
+    ``x[M, K]``, after HF-Llama RMSNorm with bf16 ``norm_weight[K]`` when given."""
+    if norm_weight is not None:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+        x = norm_weight.to(torch.bfloat16) * normed
+    return fp8.quantize(x, (1, GROUP))
+
+
+class ActQuantSm90:
+    """bf16 -> fp8-block activation quantization (optionally after RMSNorm); call through ``cute.compile``."""
+
+    def __init__(self, rmsnorm: bool):
+        self.rmsnorm = rmsnorm
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cutlass.Int64,  # bf16 [M, K] row-major
+        w_ptr: cutlass.Int64,  # bf16 [K] RMSNorm weight (0 without RMSNorm)
+        q_ptr: cutlass.Int64,  # fp8 [M, K] row-major
+        s_ptr: cutlass.Int64,  # fp32 [M, K/128], M-major with leading dim roundup(M, 4)
+        m: cutlass.Int32,
+        k: cutlass.Int32,
+        eps: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        gmem = cute.AddressSpace.gmem
+        k = cute.assume(k, divby=GROUP)
+        m4 = (m + 3) // 4 * 4
+        mX = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, x_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
+        mW = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, w_ptr, gmem, assumed_align=16), cute.make_layout((k,)))
+        mQ = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, q_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
+        mS = cute.make_tensor(cute.make_ptr(cutlass.Float32, s_ptr, gmem, assumed_align=16), cute.make_layout((m, k // GROUP), stride=(1, m4)))
+        self.kernel(mX, mW, mQ, mS, eps).launch(grid=(m, 1, 1), block=(32 * _WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, eps: cutlass.Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        k = mX.shape[1]
+        groups = k // GROUP
+        # (4, K/4): column j holds elements 4j .. 4j+3 of the row
+        xrow = cute.zipped_divide(mX[(row, None)], (4,))
+        qrow = cute.zipped_divide(mQ[(row, None)], (4,))
+        wvec = cute.zipped_divide(mW, (4,))
+
+        inv_rms = cutlass.Float32(1.0)
+        if cutlass.const_expr(self.rmsnorm):
+            smem = cutlass.memory.SmemAllocator()
+            partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_WARPS,)), byte_alignment=16)
+            ss = cutlass.Float32(0.0)
+            for g in cutlass.range(warp, groups, _WARPS):
+                v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
+                for i in cutlass.range_constexpr(4):
+                    ss = ss + v[i] * v[i]
+            ss = cute.arch.warp_reduction_sum(ss)
+            if lane == 0:
+                partial[warp] = ss
+            cute.arch.barrier()
+            total = partial[0] + partial[1] + partial[2] + partial[3]
+            inv_rms = cute.math.rsqrt(total / k.to(cutlass.Float32) + eps)
+
+        for g in cutlass.range(warp, groups, _WARPS):
+            v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
+            if cutlass.const_expr(self.rmsnorm):
+                w = wvec[(None, g * 32 + lane)].load().to(cutlass.Float32)
+                normed = (v * inv_rms).to(cutlass.BFloat16).to(cutlass.Float32)
+                v = (w * normed).to(cutlass.BFloat16).to(cutlass.Float32)
+            amax = cutlass.Float32(0.0)
+            for i in cutlass.range_constexpr(4):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
+            for b in cutlass.range_constexpr(5):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
+            scale = amax / FP8_MAX
+            if amax == 0.0:
+                scale = cutlass.Float32(1.0)
+            q = cute.make_rmem_tensor((4,), cutlass.Float32)
+            for i in cutlass.range_constexpr(4):
+                c = cute.arch.fmax(v[i] / scale, cutlass.Float32(-FP8_MAX))
+                q[i] = -cute.arch.fmax(-c, cutlass.Float32(-FP8_MAX))  # clamp to +-448
+            qrow[(None, g * 32 + lane)].store(q.load().to(cutlass.Float8E4M3FN))
+            if lane == 0:
+                mS[row, g] = scale
+
+
+def compile_act_quant(rmsnorm: bool, *, arch: str | None = None, options: str = ""):
+    """Compiled :class:`ActQuantSm90` (through :mod:`quantkit.kernels.cache`); the executor takes
+    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, ``eps`` and a ``cuda.CUstream``."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from quantkit.kernels.cache import compile_kernel
+
+    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, GROUP, 1e-6,
+                          make_fake_stream(), arch=arch, options=options)
+
+
+def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+    """fp8-block quantization of bf16 ``x[M, K]`` (K divisible by 128) on the GPU, optionally
+    after RMSNorm with bf16 ``norm_weight[K]``: returns (float8_e4m3fn ``[M, K]``, FP32 scales
+    ``[M, K/128]`` M-major), equal to :func:`act_quant_reference`."""
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or k % GROUP:
+        raise ValueError(f"expected bf16 x[M, K] with K divisible by {GROUP}; got {x.dtype} {tuple(x.shape)}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(k // GROUP, -(-m // 4) * 4, dtype=torch.float32, device=x.device)[:, :m].t()
+    if m == 0:
+        return q, scale
+    x = x.contiguous()
+    w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
+    fn = compile_act_quant(norm_weight is not None)
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, eps, stream)
+    return q, scale
+
+
+@torch.library.custom_op("quantkit::fp8_act_quant", mutates_args=())
+def act_quant_op(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.library`` op around :func:`act_quant` (torch.compile, CUDA graphs)."""
+    return act_quant(x, norm_weight, eps)
+
+
+@act_quant_op.register_fake
+def _(x, norm_weight=None, eps=1e-6):
+    m, k = x.shape
+    m4 = (m + 3) // 4 * 4
+    return x.new_empty((m, k), dtype=torch.float8_e4m3fn), torch.empty_strided((m, k // GROUP), (1, m4), dtype=torch.float32, device=x.device)

@@ -1,0 +1,641 @@
+"""Hopper (sm_90a) FP8 block-scaled GEMM with fused epilogues, in CuTeDSL.
+
+Computes, for FP8 E4M3 ``x[M, K]`` with FP32 scales ``x_scale[M, K/128]`` (one per row per 128 K)
+and FP8 E4M3 ``w[N', K]`` with FP32 scales ``w_scale[N'/128, K/128]`` (one per 128x128 block)::
+
+    acc[m, n] = sum_kb (sum_{k in kb} x[m, k] * w[n, k]) * x_scale[m, kb] * w_scale[n // 128, kb]
+
+in FP32, then the :class:`~quantkit.kernels.epilogue.Epilogue` (bias, activation incl. interleaved
+SwiGLU, residual, requant to fp8-block), and stores bf16 ``[M, N]`` (or FP8 + FP32 group scales).
+
+Structure (one CTA per SM, persistent over output tiles):
+
+* warpgroup 0, warp 0 — producer: TMA loads of the ``x`` tile (``tile_m x 128``), the ``w`` tile
+  (``tile_n x 128``) and the tile's ``tile_m`` activation scales into a ring of shared-memory stages
+  (multicast across a cluster when the cluster shape asks for it);
+* warpgroups 1.. — consumers, each owning a ``64 x tile_n`` sub-tile: per 128-K block,
+  WGMMA into a temporary FP32 accumulator, then *promotion* ``acc += tmp * x_scale[row] *
+  w_scale`` outside the tensor core; after the last K block the epilogue runs in registers and the
+  tile leaves through shared memory and a TMA store.
+
+``M`` is a runtime value (TMA zero-fills rows past ``M`` on load and clips them on store), so one
+compiled kernel serves every ``M``; ``N'`` and ``K`` must be multiples of 128.
+
+The activation scales are read by TMA from an M-major copy ``x_scale_t[K/128, M4]`` (``M4 = M``
+rounded up to 4, so TMA's 16-byte stride rule holds): :func:`scales_for_tma` makes it; the
+activation-quantization kernel (:mod:`quantkit.kernels.sm90.act_quant`) and this kernel's
+``requant`` epilogue write scales directly in that layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+import torch
+
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+
+BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
+FP8_MAX = 448.0
+_GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """CTA tile and cluster shape: ``tile_m`` in {64, 128} (one consumer warpgroup per 64 rows),
+    ``tile_n`` in {64, 128}; clusters of at most 2 CTAs multicast the shared operand."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 1
+    cluster_n: int = 1
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile."""
+        return self.tile_m // 64
+
+    def check(self, epilogue: Epilogue) -> None:
+        """Raise ValueError if this tile cannot run ``epilogue``."""
+        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128):
+            raise ValueError(f"unsupported tile {self.tile_m}x{self.tile_n}")
+        if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
+            raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
+        if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
+            raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
+        out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
+        if epilogue.requant is not None and (epilogue.requant != "fp8-block" or out_cols != BLOCK):
+            raise ValueError("requant supports fp8-block with 128 output columns per tile (tile_n = 128, no swiglu)")
+
+
+def scales_for_tma(x_scale):
+    """``x_scale[M, KB]`` (FP32, any strides) as the M-major ``[M, KB]`` view of a
+    ``[KB, roundup(M, 4)]`` buffer, the layout the kernel's TMA reads; no copy if it already is."""
+    m, kb = x_scale.shape
+    m4 = -(-m // 4) * 4
+    if x_scale.stride(0) == 1 and x_scale.stride(1) == m4 and x_scale.dtype == torch.float32:
+        return x_scale
+    buf = torch.zeros(kb, m4, dtype=torch.float32, device=x_scale.device)
+    buf[:, :m] = x_scale.t()
+    return buf[:, :m].t()
+
+
+class Fp8BlockGemmSm90:
+    """The kernel for one (tile config, epilogue, output dtype); call through ``cute.compile``."""
+
+    def __init__(self, config: TileConfig, epilogue: Epilogue, max_active_clusters: int, bias_dtype=cutlass.BFloat16):
+        config.check(epilogue)
+        self.bias_dtype = bias_dtype
+        self.cfg = config
+        self.epi = epilogue
+        self.max_active_clusters = max_active_clusters
+        self.swiglu = epilogue.activation == "swiglu"
+        self.requant = epilogue.requant is not None
+        self.acc_dtype = cutlass.Float32
+        self.out_dtype = cutlass.Float8E4M3FN if self.requant else cutlass.BFloat16
+        self.tile_mnk = (config.tile_m, config.tile_n, BLOCK)
+        self.out_tile_n = config.tile_n // 2 if self.swiglu else config.tile_n
+        self.cluster_mn = (config.cluster_m, config.cluster_n)
+        self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
+        self.num_consumers = config.consumer_warpgroups
+        self.threads_per_cta = 128 * (1 + self.num_consumers)
+        self.num_mma_threads = 128 * self.num_consumers
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+    # ---------------------------------------------------------------- host side (traced once)
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cutlass.Int64,  # x        [M, K]          fp8, row-major
+        b_ptr: cutlass.Int64,  # w        [N', K]         fp8, row-major
+        sa_ptr: cutlass.Int64,  # x_scale [M, K/128]      fp32, M-major with leading dim roundup(M, 4)
+        sb_ptr: cutlass.Int64,  # w_scale [ceil(N'/128), K/128] fp32, row-major
+        d_ptr: cutlass.Int64,  # out      [M, N]          bf16 (fp8 with requant), row-major
+        bias_ptr: cutlass.Int64,  # bias  [N']            bias_dtype (0 if unused)
+        res_ptr: cutlass.Int64,  # residual [M, N]        bf16 (0 if unused)
+        ds_ptr: cutlass.Int64,  # requant scales [M, N/128] fp32, M-major like x_scale (0 if unused)
+        m: cutlass.Int32,
+        n: cutlass.Int32,  # N' (weight rows)
+        k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        gmem = cute.AddressSpace.gmem
+        k = cute.assume(k, divby=BLOCK)
+        n = cute.assume(n, divby=64)
+        kb = k // BLOCK
+        m4 = (m + 3) // 4 * 4
+        n_out = n // 2 if self.swiglu else n
+        fp8 = cutlass.Float8E4M3FN
+        mA = cute.make_tensor(cute.make_ptr(fp8, a_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
+        mB = cute.make_tensor(cute.make_ptr(fp8, b_ptr, gmem, assumed_align=16), cute.make_layout((n, k), stride=(k, 1)))
+        mSA = cute.make_tensor(cute.make_ptr(cutlass.Float32, sa_ptr, gmem, assumed_align=16), cute.make_layout((m, kb), stride=(1, m4)))
+        mSB = cute.make_tensor(
+            cute.make_ptr(cutlass.Float32, sb_ptr, gmem, assumed_align=4), cute.make_layout(((n + BLOCK - 1) // BLOCK, kb), stride=(kb, 1))
+        )
+        mD = cute.make_tensor(cute.make_ptr(self.out_dtype, d_ptr, gmem, assumed_align=16), cute.make_layout((m, n_out), stride=(n_out, 1)))
+        mBias = None
+        if cutlass.const_expr(self.epi.bias):
+            mBias = cute.make_tensor(cute.make_ptr(self.bias_dtype, bias_ptr, gmem, assumed_align=16), cute.make_layout((n,)))
+        mRes = None
+        if cutlass.const_expr(self.epi.residual):
+            mRes = cute.make_tensor(
+                cute.make_ptr(cutlass.BFloat16, res_ptr, gmem, assumed_align=16), cute.make_layout((m, n_out), stride=(n_out, 1))
+            )
+        mDS = None
+        if cutlass.const_expr(self.requant):
+            mDS = cute.make_tensor(
+                cute.make_ptr(cutlass.Float32, ds_ptr, gmem, assumed_align=16), cute.make_layout((m, n_out // BLOCK), stride=(1, m4))
+            )
+        self.ab_dtype = fp8
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.cfg.tile_n),
+        )
+        # The epilogue's register layout: the same warpgroup arrangement over the output tile.
+        self.tiled_mma_out = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.out_tile_n),
+        )
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
+        self.mcast_a = self.cluster_mn[1]
+        self.mcast_b = self.cluster_mn[0]
+        out_tile = (self.cfg.tile_m, self.out_tile_n)
+        self.epi_tile = (self.cfg.tile_m, 32)  # spans every consumer warpgroup's rows
+        self.epi_stage = 4
+        self._make_smem_layouts()
+
+        tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
+        tma_b, tB = self._tma_load(mB, self.b_smem_staged, (self.cfg.tile_n, BLOCK), self.mcast_b)
+        tma_sa, tSA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSA,
+            cute.slice_(self.sa_smem_staged, (None, None, 0)), (self.cfg.tile_m, 1),
+        )
+        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+            cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
+        )
+        num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
+        sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
+            sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a, tA, tma_b, tB, tma_sa, tSA, tma_d, tD, mSB, mD, mBias, mRes, mDS, sched,
+            self.tiled_mma, self.tiled_mma_out, self.cta_layout_mnk,
+            self.a_smem_staged, self.b_smem_staged, self.sa_smem_staged, self.epi_smem_staged,
+        ).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1, stream=stream,
+        )
+
+    def _make_smem_layouts(self) -> None:
+        bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
+        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
+
+        def staged(rows: int, dtype, major_size: int, shape, order):
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, major_size), dtype
+            )
+            return cute.tile_to_shape(atom, shape, order=order)
+
+        self.a_smem_staged = staged(self.cfg.tile_m, self.ab_dtype, BLOCK, (self.cfg.tile_m, BLOCK, self.ab_stage), (0, 1, 2))
+        self.b_smem_staged = staged(self.cfg.tile_n, self.ab_dtype, BLOCK, (self.cfg.tile_n, BLOCK, self.ab_stage), (0, 1, 2))
+        self.sa_smem_staged = cute.make_layout((self.cfg.tile_m, 1, self.ab_stage), stride=(1, 0, self.cfg.tile_m))
+        self.epi_smem_staged = staged(
+            self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
+        )
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, mcast: int):
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1 else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom, mA: cute.Tensor,
+        tma_b: cute.CopyAtom, mB: cute.Tensor,
+        tma_sa: cute.CopyAtom, mSA: cute.Tensor,
+        tma_d: cute.CopyAtom, mD_tma: cute.Tensor,
+        mSB: cute.Tensor, mD: cute.Tensor,
+        mBias: cute.Tensor | None, mRes: cute.Tensor | None, mDS: cute.Tensor | None,
+        sched_params: utils.PersistentTileSchedulerParams,
+        tiled_mma: cute.TiledMma, tiled_mma_out: cute.TiledMma, cta_layout_mnk: cute.Layout,
+        a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+        sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_sa)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1) if self.mcast_a > 1 else 0
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0) if self.mcast_b > 1 else 0
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        stage_bytes = (
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+            + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+            + self.cfg.tile_m * 4
+        )
+        mcast_size = self.mcast_a + self.mcast_b - 1
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.num_consumers * 4),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sSA = storage.sSA.get_tensor(sa_smem_staged)
+        sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        # (bM, bK, RestM, RestK) etc.
+        gA = cute.local_tile(mA, (self.cfg.tile_m, BLOCK), (None, None))
+        gB = cute.local_tile(mB, (self.cfg.tile_n, BLOCK), (None, None))
+        gSA = cute.local_tile(mSA, (self.cfg.tile_m, 1), (None, None))
+        gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
+
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, cluster_coord[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, cluster_coord[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
+            tma_sa, 0, cute.make_layout(1), cute.group_modes(sSA, 0, 2), cute.group_modes(gSA, 0, 2)
+        )
+        k_tiles = cute.size(gA, mode=[3])
+
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._producer(
+                    ab_pipe, sched_params, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
+                    tma_sa, tSgS, tSsS,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consumer(
+                tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
+                tma_d, mSB, mD, mBias, mRes, mDS,
+            )
+
+    @cute.jit
+    def _producer(
+        self, ab_pipe, sched_params, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
+        tma_sa, tSgS, tSsS,
+    ):
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        while work.is_valid_tile:
+            tm, tn, _ = work.tile_idx
+            for kt in range(k_tiles):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA[(None, tm, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                cute.copy(tma_b, tBgB[(None, tn, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                cute.copy(tma_sa, tSgS[(None, tm, kt)], tSsS[(None, state.index)], tma_bar_ptr=bar)
+                ab_pipe.producer_commit(state)
+                state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _consumer(
+        self, tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, ctid, warp_idx, sA, sB, sSA, sD, gD, tma_d, mSB, mD,
+        mBias, mRes, mDS,
+    ):
+        wg = ctid // 128
+        thr_mma_wg = tiled_mma.get_slice(wg * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        # Per-thread accumulators and the coordinates (within the tile) of each of their elements.
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        acc = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
+        tmp = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
+        # Element ((c, h, j), 0, 0) of a 64-row WGMMA accumulator lies in row group h (rows r, r + 8).
+        row_lo = tCcAcc[((0, 0, 0), 0, 0)][0]
+        row_hi = tCcAcc[((0, 1, 0), 0, 0)][0]
+        col0 = tCcAcc[((0, 0, 0), 0, 0)][1]
+        n_frag = cute.size(acc, mode=[0]) // 4
+
+        thr_mma_out = tiled_mma_out.get_slice(ctid)
+        tCcOut = thr_mma_out.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.out_tile_n)))
+        out = acc
+        if cutlass.const_expr(self.swiglu):
+            out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype)
+
+        # Epilogue copies: registers -> smem (stmatrix) -> gmem (TMA).
+        copy_r2s = sm90_utils.sm90_get_smem_store_op(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, elem_ty_d=self.out_dtype, elem_ty_acc=self.acc_dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            copy_r2s,
+            cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma_out
+            ),
+        )
+        thr_r2s = tiled_copy_r2s.get_slice(ctid)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_rOut = tiled_copy_r2s.retile(out)
+        rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+        tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+        size_rD = cute.size(tRS_rD)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        m_total = mD.shape[0]
+        while work.is_valid_tile:
+            tm, tn, _ = work.tile_idx
+            acc.fill(0.0)
+            n_block = (tn * self.cfg.tile_n + col0) // BLOCK
+            for kt in range(k_tiles):
+                w_scale = mSB[n_block, kt]
+                ab_pipe.consumer_wait(state)
+                cute.nvgpu.warpgroup.fence()
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, state.index)], tCrB[(None, None, kb, state.index)], tmp)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                s_lo = sSA[(row_lo, 0, state.index)] * w_scale
+                s_hi = sSA[(row_hi, 0, state.index)] * w_scale
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipe.consumer_release(state)
+                state.advance()
+                for j in cutlass.range_constexpr(n_frag):
+                    for c in cutlass.range_constexpr(2):
+                        acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo
+                        acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi
+
+            m0 = tm * self.cfg.tile_m
+            self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
+
+            # registers -> smem -> gmem, one epi_tile at a time
+            gD_tile = gD[(None, None, tm, tn)]
+            gD_epi = cute.zipped_divide(gD_tile, self.epi_tile)
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
+            )
+            epi_tiles = cute.size(gD_epi, mode=[1])
+            epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
+            done_before = sched.num_tiles_executed * epi_tiles
+            for e in cutlass.range_constexpr(epi_tiles):
+                for v in cutlass.range_constexpr(size_rD):
+                    tRS_rD[v] = tRS_rOut[e * size_rD + v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                buf = (done_before + e) % self.epi_stage
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epi_barrier.arrive_and_wait()
+                if warp_idx == 4:
+                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                self.epi_barrier.arrive_and_wait()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
+        """In registers: bias, activation (SwiGLU writes ``out``), residual, requant (FP32 in/out)."""
+        n0 = tn * self.cfg.tile_n
+        if cutlass.const_expr(self.epi.bias):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                n = n0 + tCcAcc[i][1]
+                if n < mBias.shape[0]:
+                    acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
+        act = self.epi.activation
+        if cutlass.const_expr(act == "relu"):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = cute.arch.fmax(acc[i], cutlass.Float32(0.0))
+        if cutlass.const_expr(act in ("silu", "gelu_tanh")):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                x = acc[i]
+                z = x
+                if cutlass.const_expr(act == "gelu_tanh"):
+                    z = _GELU_C * (x + 0.044715 * x * x * x)
+                acc[i] = x / (1.0 + cute.math.exp(-z))
+        if cutlass.const_expr(act == "swiglu"):
+            half = n_frag // 2  # columns j and j + 64 of a warpgroup sit in fragment blocks j, j + half
+            for j in cutlass.range_constexpr(half):
+                for h in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(2):
+                        g = acc[((c, h, j), 0, 0)]
+                        u = acc[((c, h, j + half), 0, 0)]
+                        out[((c, h, j), 0, 0)] = g / (1.0 + cute.math.exp(-g)) * u
+        if cutlass.const_expr(self.epi.residual):
+            out_n0 = tn * self.out_tile_n
+            for i in cutlass.range_constexpr(cute.size(out)):
+                m = m0 + tCcOut[i][0]
+                if m < m_total:
+                    out[i] = out[i] + mRes[m, out_n0 + tCcOut[i][1]].to(cutlass.Float32)
+        if cutlass.const_expr(self.requant):
+            self._requant(out, tCcOut, n_frag, m0, tn, m_total, mDS)
+
+    @cute.jit
+    def _requant(self, out, tCcOut, n_frag, m0, tn, m_total, mDS):
+        """fp8-block requant of each row's 128 columns: ``s = amax(bf16(v)) / 448`` (1 if 0), ``out = v / s``."""
+        for h in cutlass.range_constexpr(2):
+            amax = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(n_frag):
+                for c in cutlass.range_constexpr(2):
+                    v = out[((c, h, j), 0, 0)].to(cutlass.BFloat16).to(cutlass.Float32)
+                    out[((c, h, j), 0, 0)] = v
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            for lane_bit in cutlass.range_constexpr(2):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << lane_bit))
+            scale = amax / FP8_MAX
+            if amax == 0.0:
+                scale = cutlass.Float32(1.0)
+            for j in cutlass.range_constexpr(n_frag):
+                for c in cutlass.range_constexpr(2):
+                    q = cute.arch.fmax(out[((c, h, j), 0, 0)] / scale, cutlass.Float32(-FP8_MAX))
+                    out[((c, h, j), 0, 0)] = -cute.arch.fmax(-q, cutlass.Float32(-FP8_MAX))  # clamp to +-448
+            coord = tCcOut[((0, h, 0), 0, 0)]
+            m = m0 + coord[0]
+            if cute.arch.lane_idx() % 4 == 0 and m < m_total:
+                mDS[m, (tn * self.out_tile_n + coord[1]) // BLOCK] = scale
+
+
+# ==================================================================== host side
+# Measured dispatch: (max M, TileConfig) per (N', K), first match wins; see benchmarks/notes/fp8_block.md.
+_DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {}
+# For shapes not in the table: by M alone (same measurements, pooled over shapes).
+_DEFAULT: tuple[tuple[int, TileConfig], ...] = (
+    (64, TileConfig(64, 64)),
+    (256, TileConfig(64, 128)),
+    (1 << 31, TileConfig(128, 128)),
+)
+
+
+def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
+    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; widened to
+    ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""
+    for max_m, cfg in _DISPATCH.get((n, k), _DEFAULT):
+        if m <= max_m:
+            break
+    needs_full_groups = epilogue.activation == "swiglu" or epilogue.requant is not None
+    if needs_full_groups and cfg.tile_n < BLOCK:
+        cfg = TileConfig(cfg.tile_m, BLOCK, cfg.cluster_m, cfg.cluster_n)
+    return cfg
+
+
+def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = False, num_sms: int = 132,
+                 arch: str | None = None, options: str = ""):
+    """Compiled kernel for one (config, epilogue, bias dtype, SM count), through :mod:`..cache`.
+
+    The executor takes ``(x, w, x_scale, w_scale, out, bias, residual, out_scale)`` data pointers
+    (0 for unused), ``M, N', K`` and a ``cuda.CUstream``; ``M`` is dynamic."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from quantkit.kernels.cache import compile_kernel
+
+    kernel = Fp8BlockGemmSm90(
+        config, epilogue, num_sms // (config.cluster_m * config.cluster_n),
+        cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
+    )
+    key = ("sm90.fp8_block_gemm", config, epilogue, bias_fp32, num_sms)
+    return compile_kernel(key, kernel, *([0] * 8), BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options)
+
+
+def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
+                   config: TileConfig | None = None, out=None):
+    """fp8-block GEMM + ``epilogue`` on a Hopper GPU (see the module docstring for the math).
+
+    ``x`` float8_e4m3fn ``[M, K]``, ``x_scale`` FP32 ``[M, K/128]`` (any strides; M-major from
+    :func:`scales_for_tma` avoids a copy), ``w`` float8_e4m3fn ``[N', K]``, ``w_scale`` FP32
+    ``[ceil(N'/128), K/128]``, ``bias`` bf16/FP32 ``[N']``, ``residual`` bf16 ``[M, N]``.
+    Returns bf16 ``[M, N]`` (``N = N'/2`` for swiglu), or with ``requant="fp8-block"`` the pair
+    (float8_e4m3fn ``[M, N]``, FP32 scales ``[M, N/128]`` in the M-major layout). K must divide by
+    128 and N' by 64 (by 128 for swiglu and requant). ``out``: an optional contiguous output buffer
+    (bf16 only) to write into; ``config`` overrides the dispatch table."""
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn or w.shape[1] != k:
+        raise ValueError(f"expected float8_e4m3fn x[M, K], w[N, K]; got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
+    if k % BLOCK or n % 64 or ((epilogue.activation == "swiglu" or epilogue.requant) and n % (2 * BLOCK if epilogue.activation == "swiglu" else BLOCK)):
+        raise ValueError(f"unsupported shape N'={n}, K={k} for {epilogue}")
+    if tuple(x_scale.shape) != (m, k // BLOCK) or tuple(w_scale.shape) != (-(-n // BLOCK), k // BLOCK):
+        raise ValueError(f"scale shapes {tuple(x_scale.shape)}, {tuple(w_scale.shape)} do not match x {tuple(x.shape)}, w {tuple(w.shape)}")
+    n_out = n // 2 if epilogue.activation == "swiglu" else n
+    requant = epilogue.requant is not None
+    if out is None or requant:
+        out = torch.empty(m, n_out, dtype=torch.float8_e4m3fn if requant else torch.bfloat16, device=x.device)
+    elif out.shape != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 [{m}, {n_out}] tensor")
+    out_scale = _m_major_empty(m, n_out // BLOCK, x.device) if requant else None
+    if m == 0:
+        return (out, out_scale) if requant else out
+    if epilogue.bias and (bias is None or tuple(bias.shape) != (n,)):
+        raise ValueError(f"epilogue has bias: expected bias[{n}]")
+    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
+        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
+    config = config or pick_config(m, n, k, epilogue)
+    bias_fp32 = bias is not None and bias.dtype == torch.float32
+    if bias is not None and not bias_fp32:
+        bias = bias.to(torch.bfloat16)
+    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    x, w = x.contiguous(), w.contiguous()
+    x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
+    fn = compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(x.device))
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, n, k, _stream(x.device))
+    return (out, out_scale) if requant else out
+
+
+def _m_major_empty(m: int, cols: int, device):
+    """Uninitialised FP32 ``[m, cols]`` view of a ``[cols, roundup(m, 4)]`` buffer (TMA-readable)."""
+    return torch.empty(cols, -(-m // 4) * 4, dtype=torch.float32, device=device)[:, :m].t()
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _stream(device):
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+@torch.library.custom_op("quantkit::fp8_block_gemm", mutates_args=())
+def fp8_block_gemm_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                      activation: str = "identity") -> torch.Tensor:
+    """``torch.library`` op around :func:`fp8_block_gemm` (bf16 output): usable under
+    ``torch.compile`` (dynamic M, no recompile) and CUDA-graph capture."""
+    epilogue = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
+    return fp8_block_gemm(x, x_scale, w, w_scale, epilogue, bias, residual)
+
+
+@fp8_block_gemm_op.register_fake
+def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
+    return x.new_empty((x.shape[0], w.shape[0] // (2 if activation == "swiglu" else 1)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("quantkit::fp8_block_gemm_requant", mutates_args=())
+def fp8_block_gemm_requant_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                              activation: str = "identity") -> tuple[torch.Tensor, torch.Tensor]:
+    """Like ``quantkit::fp8_block_gemm`` but returns the next fp8-block layer's input:
+    (float8_e4m3fn ``[M, N]``, FP32 scales ``[M, N/128]``, M-major)."""
+    epilogue = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None, requant="fp8-block")
+    return fp8_block_gemm(x, x_scale, w, w_scale, epilogue, bias, residual)
+
+
+@fp8_block_gemm_requant_op.register_fake
+def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
+    m, n = x.shape[0], w.shape[0]
+    m4 = (m + 3) // 4 * 4
+    out = x.new_empty((m, n), dtype=torch.float8_e4m3fn)
+    return out, torch.empty_strided((m, n // BLOCK), (1, m4), dtype=torch.float32, device=x.device)

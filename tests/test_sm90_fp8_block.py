@@ -1,0 +1,289 @@
+"""sm90 fp8-block GEMM + act-quant: compile-only PTX checks and host logic on CPU, numerics on GPU.
+
+GPU tests (``-m gpu``) compare against float64 math on the same quantized inputs; the bf16 output
+itself rounds with a norm-relative error of ~1.7e-3 on random data, so the < 1e-3 gate is taken
+against the float64 result rounded to the output dtype, and the raw float64 error is bounded by
+the bf16 rounding floor.
+"""
+import math
+
+import pytest
+import torch
+
+from quantkit.formats import fp8
+from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up
+
+cutlass = pytest.importorskip("cutlass")
+from quantkit.kernels.sm90 import act_quant as aq  # noqa: E402
+from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
+
+EPILOGUES = [
+    Epilogue(),
+    Epilogue(bias=True, activation="silu", requant="fp8-block"),
+    Epilogue(bias=True, activation="gelu_tanh", residual=True),
+    Epilogue(activation="relu"),
+    Epilogue(activation="swiglu", residual=True),
+    Epilogue(bias=True, activation="swiglu"),
+]
+
+
+# ----------------------------------------------------------------------------- float64 oracles
+# Non-negative E4M3 values in order; index parity = mantissa parity (so ties go to the even index).
+E4M3_GRID = torch.tensor(
+    [(2.0 ** -6) * (m / 8) for m in range(8)] + [2.0 ** (e - 7) * (1 + m / 8) for e in range(1, 16) for m in range(8)][:-1],
+    dtype=torch.float64,
+)
+
+
+def e4m3_round_f64(v: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``v`` to the nearest E4M3 value (ties to even mantissa), saturating at 448."""
+    a = v.abs().clamp(max=448.0)
+    idx = torch.searchsorted(E4M3_GRID, a).clamp(1, len(E4M3_GRID) - 1)
+    lo, hi = E4M3_GRID[idx - 1], E4M3_GRID[idx]
+    take_hi = ((hi - a) < (a - lo)) | (((hi - a) == (a - lo)) & (idx % 2 == 0))
+    return torch.where(take_hi, hi, lo) * v.sign()
+
+
+def fp8_block_quant_f64(x: torch.Tensor):
+    """The fp8-block activation rule in float64: ``s = f32(amax/448)`` (1 if 0), ``q = e4m3(f32(x/s))``
+    (the contract divides in FP32, so the quotient is rounded to FP32 before the E4M3 rounding)."""
+    g = x.double().reshape(x.shape[0], -1, 128)
+    amax = g.abs().amax(-1)
+    s = torch.where(amax > 0, (amax / 448.0).float().double(), torch.ones_like(amax))
+    return e4m3_round_f64((g / s[..., None]).float().double()).reshape(x.shape), s
+
+
+def gemm_f64(xq, xs, wq, ws, epi: Epilogue, bias=None, residual=None):
+    """float64 block-scaled GEMM + epilogue; requant returns the dequantized-free pre-requant value."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    xd, wd = xq.double(), wq.double()
+    ws_rows = ws.double().repeat_interleave(128, 0)[:n]
+    acc = torch.zeros(m, n, dtype=torch.float64, device=xq.device)
+    for b in range(k // 128):
+        blk = slice(128 * b, 128 * (b + 1))
+        acc += (xd[:, blk] @ wd[:, blk].T) * xs.double()[:, b, None] * ws_rows[None, :, b]
+    if epi.bias:
+        acc = acc + bias.double()
+    acc = apply_activation(acc, epi.activation)
+    if epi.residual:
+        acc = acc + residual.double()
+    return acc
+
+
+# ----------------------------------------------------------------------------- CPU: references
+def test_act_quant_reference_equals_float64_rule():
+    torch.manual_seed(0)
+    x = (torch.randn(37, 512) * torch.logspace(-3, 3, 512)).to(torch.bfloat16)
+    x[3, :128] = 0  # an all-zero group gets scale 1
+    q, s = aq.act_quant_reference(x)
+    q64, s64 = fp8_block_quant_f64(x)
+    assert torch.equal(s.double(), s64)
+    assert s[3, 0] == 1.0
+    assert torch.equal(q.double(), q64)
+
+
+def test_act_quant_reference_rmsnorm_equals_float64_rule():
+    torch.manual_seed(1)
+    x = torch.randn(9, 256).to(torch.bfloat16) * 3
+    w = (torch.rand(256) + 0.5).to(torch.bfloat16)
+    q, s = aq.act_quant_reference(x, w, eps=1e-5)
+    xd = x.double()
+    normed = (xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    y = (w.double() * normed.double()).to(torch.bfloat16)
+    q64, s64 = fp8_block_quant_f64(y)
+    # FP32 rsqrt vs exact sqrt may move a bf16 rounding of `normed`: allow a 1e-3 fraction of 1-ulp flips
+    assert torch.equal(s.double(), s64) or (s.double() - s64).abs().max() / s64.abs().max() < 1e-2
+    assert (q.double() != q64).float().mean() < 1e-3
+
+
+def test_block_scaled_sum_equals_dequantized_matmul():
+    """The kernel's promotion formula (per-128-K partial sums x scales) is the fp8-block GEMM."""
+    torch.manual_seed(2)
+    x, w = torch.randn(5, 384), torch.randn(192, 384)
+    xq, xs = fp8.quantize(x, (1, 128))
+    wq, ws = fp8.quantize(w, (128, 128))
+    ref = fp8.dequantize_with(xq, xs, (1, 128)).double() @ fp8.dequantize_with(wq, ws, (128, 128)).double().T
+    got = gemm_f64(xq, xs, wq, ws, Epilogue())
+    assert (got - ref).norm() / ref.norm() < 1e-6  # the FP32 dequantized copies round at ~6e-8
+
+
+# ----------------------------------------------------------------------------- CPU: host logic
+def test_scales_for_tma_layout_and_values():
+    s = torch.randn(7, 3)
+    t = fbg.scales_for_tma(s)
+    assert t.shape == (7, 3) and t.stride() == (1, 8) and torch.equal(t, s)
+    assert fbg.scales_for_tma(t) is t  # already M-major: no copy
+
+
+@pytest.mark.parametrize("epi", EPILOGUES, ids=str)
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_pick_config_is_valid_for_epilogue(m, epi):
+    for n, k in [(4096, 4096), (2112, 7168), (28672, 4096)]:
+        if epi.activation == "swiglu" and n % 128:
+            continue
+        fbg.pick_config(m, n, k, epi).check(epi)
+
+
+def test_tile_config_rejects_impossible_epilogues():
+    with pytest.raises(ValueError):
+        fbg.TileConfig(64, 64).check(Epilogue(activation="swiglu"))
+    with pytest.raises(ValueError):
+        fbg.TileConfig(128, 128).check(Epilogue(activation="swiglu", requant="fp8-block"))
+    with pytest.raises(ValueError):
+        fbg.TileConfig(96, 128).check(Epilogue())
+
+
+def test_custom_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 256, dtype=torch.float8_e4m3fn, device="cuda")
+        xs = torch.empty(5, 2, device="cuda")
+        w = torch.empty(384, 256, dtype=torch.float8_e4m3fn, device="cuda")
+        ws = torch.empty(3, 2, device="cuda")
+        out = torch.ops.quantkit.fp8_block_gemm(x, xs, w, ws, None, None, "identity")
+        assert out.shape == (5, 384) and out.dtype == torch.bfloat16
+        out = torch.ops.quantkit.fp8_block_gemm(x, xs, w, ws, None, None, "swiglu")
+        assert out.shape == (5, 192)
+        q, qs = torch.ops.quantkit.fp8_block_gemm_requant(x, xs, w, ws, None, None, "silu")
+        assert q.shape == (5, 384) and q.dtype == torch.float8_e4m3fn and qs.shape == (5, 3) and qs.stride() == (1, 8)
+        q, qs = torch.ops.quantkit.fp8_act_quant(torch.empty(5, 256, dtype=torch.bfloat16, device="cuda"))
+        assert q.shape == (5, 256) and qs.shape == (5, 2) and qs.stride() == (1, 8)
+
+
+# ----------------------------------------------------------------------------- CPU: compile for sm_90a
+def _ptx(tmp_path, name, compile_fn):
+    d = tmp_path / name
+    d.mkdir()
+    compile_fn(f"--keep-ptx --dump-dir {d}")
+    (ptx,) = d.glob("*.ptx")
+    return ptx.read_text()
+
+
+def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
+    configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
+    jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
+    jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
+    for i, (cfg, epi) in enumerate(jobs):
+        ptx = _ptx(tmp_path, f"gemm{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
+        assert ".target sm_90a" in ptx
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx, (cfg, epi)
+        assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, (cfg, epi)
+        if epi.requant:
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_act_quant_compiles_for_sm90a(tmp_path):
+    for rms in (False, True):
+        ptx = _ptx(tmp_path, f"aq{rms}", lambda opts: aq.compile_act_quant(rms, arch="sm_90a", options=opts))
+        assert ".target sm_90a" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert ("rsqrt" in ptx) == rms
+
+
+# ----------------------------------------------------------------------------- GPU
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _operands(m, n, k, gen):
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+    xq, xs = fp8.quantize(x, (1, 128))
+    wq, ws = fp8.quantize(w, (128, 128))
+    return xq, xs, wq, ws
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 129, 1000, 4096, 8192])
+@pytest.mark.parametrize(("n", "k"), [(256, 512), (2112, 7168), (4096, 1536)])
+def test_gpu_gemm_matches_float64(m, n, k):
+    gen = torch.Generator("cuda").manual_seed(m * 7 + n + k)
+    xq, xs, wq, ws = _operands(m, n, k, gen)
+    for cfg in sorted({cfg for _, cfg in fbg._DEFAULT} | {fbg.pick_config(m, n, k)}, key=str):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fbg.fp8_block_gemm(xq, xs, wq, ws, config=cfg, out=out)
+        ref = gemm_f64(xq, xs, wq, ws, Epilogue())
+        assert not out.isnan().any()
+        assert _rel(out, ref.to(torch.bfloat16)) < 1e-3, cfg
+        assert _rel(out, ref) < 4e-3, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epi", EPILOGUES, ids=str)
+@pytest.mark.parametrize("m", [1, 129, 1000])
+def test_gpu_epilogues_match_float64(m, epi):
+    n, k = 512, 1024
+    gen = torch.Generator("cuda").manual_seed(m + 11)
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+    if epi.activation == "swiglu":
+        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    xq, xs = fp8.quantize(x, (1, 128))
+    wq, ws = fp8.quantize(w, (128, 128))
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
+    res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
+    ref = gemm_f64(xq, xs, wq, ws, epi, bias, res)
+    poisoned = None if epi.requant else torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fbg.fp8_block_gemm(xq, xs, wq, ws, epi, bias, res, out=poisoned)
+    if epi.requant is None:
+        assert got.shape == (m, n_out) and not got.isnan().any()
+        assert _rel(got, ref.to(torch.bfloat16)) < 1e-3
+        return
+    q, s = got
+    assert s.shape == (m, n_out // 128) and s.stride(0) == 1 and not s.isnan().any()
+    rq, rs = fp8.quantize(ref.to(torch.bfloat16).cpu(), (1, 128))
+    assert torch.allclose(s.cpu(), rs, rtol=1e-2)
+    # within one FP8 ulp of the reference quantization of the float64 result
+    deq, rdeq = q.cpu().double(), rq.double()
+    ulp = torch.maximum(2.0 ** (torch.floor(torch.log2(rdeq.abs().clamp_min(2.0 ** -6))) - 3), torch.tensor(2.0 ** -9))
+    assert ((deq - rdeq).abs() <= ulp * 1.0001).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 129, 4096])
+@pytest.mark.parametrize("rms", [False, True])
+def test_gpu_act_quant_matches_reference(m, rms):
+    gen = torch.Generator("cuda").manual_seed(m)
+    k = 7168
+    x = (torch.randn(m, k, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    w = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(torch.bfloat16) if rms else None
+    q, s = aq.act_quant(x, w)
+    rq, rs = aq.act_quant_reference(x.cpu(), None if w is None else w.cpu())
+    assert s.stride() == (1, -(-m // 4) * 4)
+    if not rms:
+        assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    else:  # rsqrt.approx may move a bf16 rounding: q within one FP8 ulp, scales within 1%
+        assert torch.allclose(s.cpu(), rs, rtol=1e-2)
+        diff = (q.cpu().view(torch.uint8).int() - rq.view(torch.uint8).int()).abs()
+        assert (diff <= 1).all() and (diff > 0).float().mean() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_and_cuda_graph_no_recompile():
+    torch._dynamo.reset()
+    n, k = 512, 1024
+    gen = torch.Generator("cuda").manual_seed(5)
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+    wq, ws = fp8.quantize(w, (128, 128))
+
+    def layer(x):
+        xq, xs = torch.ops.quantkit.fp8_act_quant(x)
+        return torch.ops.quantkit.fp8_block_gemm(xq, xs, wq, ws, None, None, "silu")
+
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    for m in (3, 17, 300):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
+    x = torch.randn(64, k, generator=gen, device="cuda").to(torch.bfloat16)
+    static_out = layer(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(x)
+    x.copy_(torch.randn(64, k, generator=gen, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, layer(x))
+    assert math.isfinite(static_out.float().sum().item())
