@@ -1,0 +1,48 @@
+"""Evaluation: task accuracy through lm-eval, perplexity, kernel checks, throughput, reports.
+
+Each model is evaluated in memory, through the same ``QuantLinear`` forward users run::
+
+    from quantkit.eval import evaluate_tasks, write_eval_report
+    scores = evaluate_tasks(model, tokenizer, ["lambada_openai", "wikitext"], name="nvfp4", data_dir=data)
+
+Modules: ``accuracy`` (lm-eval, and the lm-eval model class ``quantkit``), ``tasks`` (offline task
+definitions), ``perplexity``, ``kernel_check``, ``bench``, ``report``, ``commands`` (the
+``quantkit eval`` / ``quantkit bench`` commands). Names below load on first use: importing lm-eval
+takes seconds.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+_LAZY = {
+    "evaluate_tasks": "quantkit.eval.accuracy",
+    "TaskScores": "quantkit.eval.accuracy",
+    "Metric": "quantkit.eval.accuracy",
+    "chunked_perplexity": "quantkit.eval.perplexity",
+    "wikitext2_perplexity": "quantkit.eval.perplexity",
+    "check_kernels": "quantkit.eval.kernel_check",
+    "BenchSettings": "quantkit.eval.bench",
+    "bench_model": "quantkit.eval.bench",
+    "load_config": "quantkit.eval.bench",
+    "random_init_model": "quantkit.eval.bench",
+    "write_eval_report": "quantkit.eval.report",
+    "write_bench_report": "quantkit.eval.report",
+}
+
+if TYPE_CHECKING:
+    from quantkit.eval.accuracy import Metric, TaskScores, evaluate_tasks
+    from quantkit.eval.bench import BenchSettings, bench_model, load_config, random_init_model
+    from quantkit.eval.kernel_check import check_kernels
+    from quantkit.eval.perplexity import chunked_perplexity, wikitext2_perplexity
+    from quantkit.eval.report import write_bench_report, write_eval_report
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'quantkit.eval' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

@@ -1,0 +1,146 @@
+"""Task accuracy through lm-eval, with the in-memory model (quantized layers included).
+
+:func:`evaluate_tasks` wraps the model a caller already holds in lm-eval's ``HFLM``, so a quantized
+model is scored through the same ``QuantLinear`` forward users run. Task names are lm-eval's; with
+a ``data_dir`` the tasks in :data:`quantkit.eval.tasks.OFFLINE_TASKS` read local files, and
+``wikitext2_ppl`` is quantkit's own token-level perplexity (:mod:`quantkit.eval.perplexity`).
+
+Importing this module registers the lm-eval model class ``quantkit`` (:class:`QuantkitLM`)::
+
+    import lm_eval, quantkit.eval.accuracy
+    lm_eval.simple_evaluate(model="quantkit", model_args="pretrained=ckpt_dir", tasks=["lambada_openai"])
+
+and ``python -m quantkit.eval.accuracy --model quantkit --model_args pretrained=DIR --tasks ...``
+is the ``lm_eval`` command line with that class registered.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lm_eval
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from quantkit.eval.perplexity import PERPLEXITY_TASK, wikitext2_perplexity
+from quantkit.eval.tasks import task_specs
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One aggregated task metric: its value, standard error (``None`` where lm-eval gives none)
+    and whether a larger value is better."""
+
+    value: float
+    stderr: float | None
+    higher_is_better: bool
+
+
+@dataclass(frozen=True)
+class TaskScores:
+    """One model's results: ``metrics[task][metric]`` and the number of documents per task."""
+
+    model: str
+    metrics: dict[str, dict[str, Metric]]
+    samples: dict[str, int]
+
+
+@register_model("quantkit")
+class QuantkitLM(HFLM):
+    """lm-eval's Hugging Face model, loaded by quantkit: ``pretrained`` is anything
+    :func:`quantkit.models.load_model` accepts (``demo``, a hub id, an HF or quantkit checkpoint
+    directory); ``format`` (e.g. ``nvfp4``) additionally quantizes it in memory (RTN).
+    Other arguments (``batch_size``, ``max_length``, ...) are ``HFLM``'s."""
+
+    def __init__(
+        self,
+        pretrained: str | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        format: str | None = None,
+        device: str | None = None,
+        **kwargs,
+    ) -> None:
+        if isinstance(pretrained, str):
+            from quantkit.models import load_model
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            pretrained, tokenizer = load_model(pretrained, device=device)
+        if format is not None:
+            import quantkit
+
+            quantkit.quantize_model(pretrained, format=format)
+        super().__init__(pretrained=pretrained, tokenizer=tokenizer, **kwargs)
+
+
+def _task_manager(specs: Sequence[str | dict]) -> TaskManager:
+    """A task manager; indexing lm-eval's whole task tree takes seconds, so it is skipped when
+    every spec is already a full config."""
+    return TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs))
+
+
+def _parse_results(out: dict, task: str) -> dict[str, Metric]:
+    """``{metric: Metric}`` from lm-eval's ``results[task]`` (keys ``"acc,none"``, ``"acc_stderr,none"``)."""
+    values = out["results"][task]
+    metrics: dict[str, Metric] = {}
+    for key, value in values.items():
+        name, _, filter_name = key.partition(",")
+        if not filter_name or name.endswith("_stderr"):
+            continue
+        stderr = values.get(f"{name}_stderr,{filter_name}")
+        metrics[name] = Metric(
+            value=float(value),
+            stderr=float(stderr) if isinstance(stderr, (int, float)) else None,
+            higher_is_better=bool(out["higher_is_better"][task][name]),
+        )
+    return metrics
+
+
+def evaluate_tasks(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[str],
+    *,
+    name: str,
+    data_dir: Path | None = None,
+    limit: int | None = None,
+    batch_size: int = 1,
+    max_length: int | None = None,
+    seq_len: int = 2048,
+) -> TaskScores:
+    """Score ``model`` on ``tasks`` (zero-shot, lm-eval's defaults otherwise).
+
+    ``limit`` caps the documents per task (the first ``limit``; for ``wikitext2_ppl``, windows of
+    ``seq_len`` tokens); ``max_length`` overrides the context lm-eval gives the model (default:
+    the model config's); ``data_dir`` switches offline tasks to local files.
+    """
+    metrics: dict[str, dict[str, Metric]] = {}
+    samples: dict[str, int] = {}
+    harness_tasks = [task for task in tasks if task != PERPLEXITY_TASK]
+    if harness_tasks:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        specs = task_specs(harness_tasks, data_dir)
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=specs, limit=limit, task_manager=_task_manager(specs), log_samples=False
+        )
+        for task in out["results"]:
+            metrics[task] = _parse_results(out, task)
+            samples[task] = int(out["n-samples"][task]["effective"])
+    if PERPLEXITY_TASK in tasks:
+        ppl = wikitext2_perplexity(
+            model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size, max_windows=limit
+        )
+        metrics[PERPLEXITY_TASK] = {
+            "token_perplexity": Metric(ppl.value, None, higher_is_better=False)
+        }
+        samples[PERPLEXITY_TASK] = ppl.windows
+    return TaskScores(model=name, metrics=metrics, samples=samples)
+
+
+if __name__ == "__main__":
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -1,0 +1,256 @@
+"""Throughput of a model: prefill and decode tokens/s, and the time of its own GEMM shapes.
+
+* prefill: one forward of ``[batch, seq]`` random tokens, no KV cache, logits of the last
+  position only (what serving computes), tokens/s = batch * seq / time;
+* decode: after a ``context``-token prefill into a static KV cache, one new token per sequence
+  per step (greedy, fed back), tokens/s = batch / time per step; on CUDA each step is a captured
+  CUDA graph (falls back to eager, with the reason, where capture fails);
+* GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
+  ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models.
+
+Times are medians over ``iters`` runs after ``warmup`` runs; CUDA times come from CUDA events.
+:func:`random_init_model` builds a model from a shipped or given HF config with random bf16
+weights, directly on the device, so the speed of real architectures is measured with no download.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, StaticCache
+
+from quantkit.eval.perplexity import model_device
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure: prefill ``(batch, seq)`` shapes, decode batch sizes after a ``context``-token
+    prompt for ``decode_steps`` timed steps, GEMM row counts ``gemm_m``, and warm-up / timed runs."""
+
+    prefill_shapes: tuple[tuple[int, int], ...] = ((1, 512), (1, 2048), (8, 2048), (32, 2048))
+    decode_batches: tuple[int, ...] = (1, 8, 32)
+    context: int = 512
+    decode_steps: int = 64
+    gemm_m: tuple[int, ...] = (1, 16, 128, 2048, 8192)
+    warmup: int = 3
+    iters: int = 10
+    cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill of ``batch`` sequences of ``seq`` tokens: seconds per forward and tokens/s."""
+
+    batch: int
+    seq: int
+    seconds: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """Decode at ``batch`` sequences after a ``context``-token prompt: seconds per step, tokens/s,
+    whether steps ran as a CUDA graph, and why not where capture failed."""
+
+    batch: int
+    context: int
+    seconds_per_step: float
+    tokens_per_s: float
+    cuda_graph: bool
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class GemmResult:
+    """One linear layer (``layer`` names it inside decoder layer 0, or ``lm_head``) on ``[m, k]``
+    inputs giving ``[m, n]``: seconds per call and TFLOP/s (``2 m n k`` FLOPs)."""
+
+    layer: str
+    n: int
+    k: int
+    m: int
+    seconds: float
+    tflops: float
+
+
+@dataclass(frozen=True)
+class ModelBench:
+    """Everything measured for one model."""
+
+    model: str
+    prefill: list[PrefillResult]
+    decode: list[DecodeResult]
+    gemms: list[GemmResult]
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in ``quantkit/eval/configs`` (``llama-3.1-8b``, ...)."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name_or_path: str) -> PretrainedConfig:
+    """The HF config of a shipped name (see :func:`shipped_configs`) or of a ``config.json`` path
+    (or a directory holding one)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no config {name_or_path!r}: give a config.json path or one of {', '.join(shipped_configs())}"
+        )
+    values = json.loads(path.read_text())
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def random_init_model(
+    config: PretrainedConfig, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> PreTrainedModel:
+    """A causal LM of architecture ``config`` with random weights (seeded), created directly on
+    ``device`` in ``dtype``, in eval mode."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def time_call(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device) -> float:
+    """Median seconds of one ``fn()`` call over ``iters`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return statistics.median(times)
+
+
+def _random_tokens(model: PreTrainedModel, batch: int, seq: int) -> torch.Tensor:
+    """Uniform random token ids [batch, seq] (int64) on the model's device."""
+    return torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), device=model_device(model))
+
+
+@torch.inference_mode()
+def bench_prefill(model: PreTrainedModel, settings: BenchSettings) -> list[PrefillResult]:
+    """Prefill throughput at each of ``settings.prefill_shapes``."""
+    device = model_device(model)
+    results = []
+    for batch, seq in settings.prefill_shapes:
+        ids = _random_tokens(model, batch, seq)
+        seconds = time_call(
+            lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+            warmup=settings.warmup,
+            iters=settings.iters,
+            device=device,
+        )
+        results.append(PrefillResult(batch, seq, seconds, batch * seq / seconds))
+    return results
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """The name the model's forward gives its KV cache argument (``cache`` from transformers 5.2x,
+    ``past_key_values`` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _capture(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph:
+    """``step`` warmed up on a side stream, then captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+@torch.inference_mode()
+def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[DecodeResult]:
+    """Decode throughput at each of ``settings.decode_batches``."""
+    device = model_device(model)
+    results = []
+    for batch in settings.decode_batches:
+        max_len = settings.context + 2 * settings.warmup + settings.decode_steps + 1  # capture may fail after its warm-up
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        cache_arg = {_cache_kwarg(model): cache}
+        model(input_ids=_random_tokens(model, batch, settings.context), use_cache=True, logits_to_keep=1, **cache_arg)
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+        def step() -> None:
+            logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_arg).logits
+            tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+        run, graph, note = step, False, None
+        if device.type == "cuda" and settings.cuda_graphs:
+            try:  # warm-up steps run inside _capture; a captured step advances the cache on replay only
+                run, graph = _capture(step, settings.warmup).replay, True
+            except RuntimeError as error:
+                note = f"CUDA graph capture failed, eager steps: {str(error).splitlines()[0][:160]}"
+        if not graph:
+            for _ in range(settings.warmup):
+                step()
+        steps = settings.decode_steps
+        seconds = time_call(lambda: [run() for _ in range(steps)], warmup=0, iters=1, device=device) / steps
+        results.append(DecodeResult(batch, settings.context, seconds, batch / seconds, graph, note))
+    return results
+
+
+def layer0_linears(model: PreTrainedModel) -> dict[str, torch.nn.Module]:
+    """The linear layers (any leaf module with ``in_features`` and ``out_features``) of decoder
+    layer 0 and ``lm_head``, by name relative to the layer (``self_attn.q_proj``, ..., ``lm_head``)."""
+    linears: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "in_features") and hasattr(module, "out_features")):
+            continue
+        if ".layers.0." in name:
+            linears[name.split(".layers.0.", 1)[1]] = module
+        elif name.split(".")[-1] == "lm_head":
+            linears["lm_head"] = module
+    return linears
+
+
+@torch.inference_mode()
+def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmResult]:
+    """Time each of :func:`layer0_linears` on ``[M, K]`` bf16 inputs for M in ``settings.gemm_m``."""
+    device = model_device(model)
+    results = []
+    for name, module in layer0_linears(model).items():
+        n, k = module.out_features, module.in_features
+        for m in settings.gemm_m:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+            seconds = time_call(lambda: module(x), warmup=settings.warmup, iters=settings.iters, device=device)
+            results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12))
+    return results
+
+
+def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings) -> ModelBench:
+    """Prefill, decode and GEMM measurements of ``model``, reported under ``name``."""
+    return ModelBench(
+        model=name,
+        prefill=bench_prefill(model, settings),
+        decode=bench_decode(model, settings),
+        gemms=bench_gemms(model, settings),
+    )

@@ -1,0 +1,233 @@
+"""The ``quantkit eval`` and ``quantkit bench`` commands (registered by :mod:`quantkit.cli`).
+
+Plain functions with typer-annotated parameters; importing this module stays cheap (torch,
+lm-eval, transformers and matplotlib load only when a command runs).
+"""
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def _csv(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated list."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _default_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _free(device: str) -> None:
+    """Return the memory of models dropped by the caller."""
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
+    """What a report records about its run: settings, device, library versions, date."""
+    import torch
+
+    versions = {}
+    for package in ("torch", "transformers", "lm_eval"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu"
+    return {
+        **{key: value for key, value in settings.items() if value is not None},
+        "device": f"{device} ({name})",
+        "versions": versions,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any, Any]]:
+    """A function returning ``(model, tokenizer)`` of ``source`` on ``device``, quantized in memory
+    (RTN) to ``fmt`` when one is given."""
+
+    def load():
+        from quantkit.models import load_model
+
+        model, tokenizer = load_model(source, device=device)
+        if fmt is not None:
+            import quantkit
+
+            quantkit.quantize_model(model, format=fmt)
+        return model, tokenizer
+
+    return load
+
+
+def eval_command(
+    target: Annotated[str, typer.Argument(help="Model to evaluate: a quantkit checkpoint dir, an HF dir, a hub id or 'demo'.")],
+    baseline: Annotated[Optional[str], typer.Option("--baseline", "-b", help="Model to compare against (same kinds as TARGET). Default: TARGET itself when --format is given, else none.")] = None,
+    formats: Annotated[Optional[str], typer.Option("--format", "-f", help="Quantize TARGET in memory (RTN, no calibration) to each of these comma-separated formats, e.g. nvfp4,fp8-block,mxfp8, and evaluate each.")] = None,
+    tasks: Annotated[str, typer.Option("--tasks", "-t", help="Comma-separated lm-eval task names, plus 'wikitext2_ppl' (GPTQ-style token perplexity).")] = "lambada_openai,wikitext",
+    limit: Annotated[Optional[int], typer.Option(help="Evaluate only the first N documents of each task (windows for wikitext2_ppl).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Directory holding lambada_test.jsonl / wiki.test.raw (any depth): run lambada_openai, wikitext and wikitext2_ppl offline.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for eval.md, eval.json, eval_recovery.png.")] = Path("eval-results"),
+    check_kernels: Annotated[bool, typer.Option("--check-kernels", help="Instead of tasks: run a few batches through the GPU kernels and the reference path and report logit error and top-1 agreement.")] = False,
+    seq_len: Annotated[int, typer.Option(help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
+    max_length: Annotated[Optional[int], typer.Option(help="Context lm-eval gives the model (default: the model config's).")] = None,
+) -> None:
+    """Accuracy of TARGET (and of a baseline) on lm-eval tasks, run through the same QuantLinear
+    path users get. Per task metric: value, baseline, delta, recovery %, stderr.
+
+    Examples:
+
+      quantkit eval ./llama-nvfp4 --baseline meta-llama/Llama-3.1-8B
+
+      quantkit eval demo --format nvfp4,fp8-block,mxfp8 --data-dir ../shared/data --limit 500
+
+      quantkit eval ./llama-nvfp4 --check-kernels
+    """
+    from quantkit.eval.report import write_eval_report
+
+    device = _default_device(device)
+    fmts = _csv(formats) if formats else []
+    candidates = [(fmt, _loader(target, fmt, device)) for fmt in fmts] or [(target, _loader(target, None, device))]
+    meta = _run_meta(device, target=target, formats=formats, tasks=None if check_kernels else tasks, limit=limit,
+                     batch_size=batch_size, data_dir=str(data_dir) if data_dir else None, max_length=max_length)
+    started = time.perf_counter()
+    if check_kernels:
+        from quantkit.eval.kernel_check import check_batches, check_kernels as run_check
+
+        checks = []
+        for name, load in candidates:
+            with console.status(f"kernel check: {name}"):
+                model, tokenizer = load()
+                batches = check_batches(tokenizer, data_dir, n_batches=4, batch_size=batch_size, seq_len=min(seq_len, 512))
+                checks.append(run_check(model, batches, name=name))
+            del model
+            _free(device)
+        meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+        write_eval_report(out, [], None, checks, meta)
+        return
+
+    from quantkit.eval.accuracy import evaluate_tasks
+
+    task_list = _csv(tasks)
+    base_source = baseline or (target if fmts else None)
+    base_name = "bf16" if base_source == target else base_source
+
+    def score(name: str, load: Callable[[], tuple[Any, Any]]):
+        console.print(f"[bold]evaluating {name}[/] on {', '.join(task_list)}")
+        model, tokenizer = load()
+        result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limit,
+                                batch_size=batch_size, max_length=max_length, seq_len=seq_len)
+        del model
+        _free(device)
+        return result
+
+    base_scores = score(base_name, _loader(base_source, None, device)) if base_source else None
+    scores = [score(name, load) for name, load in candidates]
+    meta["baseline"] = base_source
+    meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+    for path in write_eval_report(out, scores, base_scores, [], meta):
+        console.print(f"wrote {path}")
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1x512,8x2048"`` -> ``((1, 512), (8, 2048))``."""
+    return tuple((int(b), int(s)) for b, s in (item.lower().split("x") for item in _csv(text)))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(item) for item in _csv(text))
+
+
+def bench_command(
+    target: Annotated[str, typer.Argument(help="With --random-init: comma-separated formats to quantize the random model to ('bf16' = unquantized). Otherwise a model: quantkit checkpoint dir, HF dir, hub id or 'demo'.")],
+    baseline: Annotated[str, typer.Option(help="'bf16': the same architecture with random bf16 weights (speed does not depend on weight values); 'none': no baseline.")] = "bf16",
+    random_init: Annotated[Optional[str], typer.Option(help="Build the model from a config with random weights, on the device, no download: a shipped name (llama-3.1-8b, qwen3-8b, tiny-llama) or a config.json path.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
+    prefill: Annotated[str, typer.Option(help="Prefill shapes BATCHxSEQ, comma-separated.")] = "1x512,1x2048,8x2048,32x2048",
+    decode_batches: Annotated[str, typer.Option(help="Decode batch sizes, comma-separated.")] = "1,8,32",
+    context: Annotated[int, typer.Option(help="Prompt tokens before the timed decode steps.")] = 512,
+    decode_steps: Annotated[int, typer.Option(help="Timed decode steps per batch size.")] = 64,
+    gemm_m: Annotated[str, typer.Option(help="Rows M of the per-layer GEMM timings, comma-separated.")] = "1,16,128,2048,8192",
+    warmup: Annotated[int, typer.Option(help="Untimed runs before each measurement.")] = 3,
+    iters: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 10,
+    cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
+) -> None:
+    """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, measured in the
+    same run.
+
+    Examples:
+
+      quantkit bench nvfp4,fp8-block --random-init llama-3.1-8b
+
+      quantkit bench ./qwen3-8b-nvfp4
+
+      quantkit bench nvfp4 --random-init tiny-llama --device cpu --prefill 1x64 --decode-batches 1 --gemm-m 16
+    """
+    from quantkit.eval.bench import BenchSettings, bench_model, load_config, random_init_model
+    from quantkit.eval.report import write_bench_report
+
+    if baseline not in ("bf16", "none"):
+        raise typer.BadParameter("must be 'bf16' or 'none'", param_hint="--baseline")
+    device = _default_device(device)
+    settings = BenchSettings(
+        prefill_shapes=_shapes(prefill), decode_batches=_ints(decode_batches), context=context,
+        decode_steps=decode_steps, gemm_m=_ints(gemm_m), warmup=warmup, iters=iters, cuda_graphs=cuda_graphs,
+    )
+    meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
+
+    if random_init:
+        config = load_config(random_init)
+
+        def build(fmt: str):
+            model = random_init_model(config, device=device)
+            if fmt != "bf16":
+                import quantkit
+
+                quantkit.quantize_model(model, format=fmt)
+            return model
+
+        targets = [(fmt, lambda fmt=fmt: build(fmt)) for fmt in _csv(target)]
+    else:
+        from quantkit.models import load_model
+
+        config = None
+
+        def load_target():
+            nonlocal config
+            model = load_model(target, device=device)[0]
+            config = model.config
+            return model
+
+        targets = [(target, load_target)]
+
+    def measure(name: str, make):
+        with console.status(f"bench {name}"):
+            model = make()
+            result = bench_model(model, name, settings)
+        del model
+        _free(device)
+        return result
+
+    benches = [measure(name, make) for name, make in targets]
+    base = measure("bf16", lambda: random_init_model(config, device=device)) if baseline == "bf16" else None
+    for path in write_bench_report(out, benches, base, meta):
+        console.print(f"wrote {path}")

@@ -1,0 +1,110 @@
+"""quantkit bench: shipped configs are the real architectures, timing arithmetic, and an end-to-end
+run on a tiny random-init model (CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantkit.eval import bench
+from quantkit.eval.commands import bench_command
+
+
+@pytest.mark.parametrize(
+    ("name", "architecture", "parameters"),
+    [
+        ("llama-3.1-8b", "LlamaForCausalLM", 8_030_261_248),  # published parameter counts
+        ("qwen3-8b", "Qwen3ForCausalLM", 8_190_735_360),
+    ],
+)
+def test_shipped_configs_are_the_published_architectures(name, architecture, parameters):
+    assert name in bench.shipped_configs()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(bench.load_config(name))
+    assert type(model).__name__ == architecture
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_load_config_reports_the_shipped_names(tmp_path):
+    with pytest.raises(FileNotFoundError, match="llama-3.1-8b"):
+        bench.load_config("no-such-model")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 96}))
+    assert bench.load_config(str(tmp_path)).hidden_size == 96
+
+
+def test_random_init_model_is_on_device_in_bf16_and_seeded():
+    config = bench.load_config("tiny-llama")
+    a = bench.random_init_model(config, device="cpu", seed=1)
+    b = bench.random_init_model(config, device="cpu", seed=1)
+    assert {p.dtype for p in a.parameters()} == {torch.bfloat16}
+    assert torch.equal(a.model.layers[0].mlp.up_proj.weight, b.model.layers[0].mlp.up_proj.weight)
+    assert a.model.layers[0].mlp.up_proj.weight.std() > 0
+
+
+def test_time_call_is_the_median_of_the_timed_calls(monkeypatch):
+    clock = iter([0.0, 1.0, 1.0, 4.0, 4.0, 6.0])  # timed calls of 1 s, 3 s, 2 s
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert bench.time_call(lambda: calls.append(1), warmup=2, iters=3, device=torch.device("cpu")) == 2.0
+    assert len(calls) == 5
+
+
+def test_layer0_linears_are_the_models_gemm_shapes():
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu")
+    shapes = {name: (m.out_features, m.in_features) for name, m in bench.layer0_linears(model).items()}
+    assert shapes == {
+        "self_attn.q_proj": (256, 256),
+        "self_attn.k_proj": (128, 256),  # 2 KV heads of 64
+        "self_attn.v_proj": (128, 256),
+        "self_attn.o_proj": (256, 256),
+        "mlp.gate_proj": (512, 256),
+        "mlp.up_proj": (512, 256),
+        "mlp.down_proj": (256, 512),
+        "lm_head": (1024, 256),
+    }
+
+
+def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
+    bench_command(
+        target="nvfp4",
+        random_init="tiny-llama",
+        device="cpu",
+        prefill="1x32,2x16",
+        decode_batches="1,2",
+        context=8,
+        decode_steps=3,
+        gemm_m="1,8",
+        warmup=1,
+        iters=2,
+        out=tmp_path,
+    )
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["baseline"] == "bf16"
+    assert [m["model"] for m in report["models"]] == ["bf16", "nvfp4"]
+    for model in report["models"]:
+        assert [(r["batch"], r["seq"]) for r in model["prefill"]] == [(1, 32), (2, 16)]
+        for r in model["prefill"]:
+            assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["seconds"])
+        assert [(r["batch"], r["context"], r["cuda_graph"]) for r in model["decode"]] == [(1, 8, False), (2, 8, False)]
+        for r in model["decode"]:
+            assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["seconds_per_step"])
+        assert len(model["gemms"]) == 8 * 2
+        for r in model["gemms"]:
+            assert r["tflops"] == pytest.approx(2 * r["m"] * r["n"] * r["k"] / r["seconds"] / 1e12)
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "| batch | seq | bf16 tok/s | nvfp4 tok/s | nvfp4 × |" in markdown
+    assert "| mlp.down_proj | 256 | 512 | 8 |" in markdown
+    assert (tmp_path / "bench_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer0_linears_finds_quantlinear_layers():
+    """GEMM timings of a quantized model time its QuantLinear layers (lm_head stays bf16)."""
+    import quantkit
+
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu")
+    quantkit.quantize_model(model, format="nvfp4")
+    kinds = {name: type(m).__name__ for name, m in bench.layer0_linears(model).items()}
+    assert kinds.pop("lm_head") == "Linear"
+    assert set(kinds.values()) == {"QuantLinear"}

@@ -1,0 +1,93 @@
+"""Reports: recovery and deltas, Markdown / JSON / PNG output, and ``quantkit eval`` end to end."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from test_eval_fixtures import LAMBADA_TEXTS, lambada_reference, tiny_llama, tiny_tokenizer, write_data_dir
+
+from quantkit.eval.accuracy import Metric, TaskScores
+from quantkit.eval.commands import eval_command
+from quantkit.eval.report import compare, recovery_percent, write_eval_report
+
+
+def test_recovery_is_oriented_so_100_means_no_loss():
+    assert recovery_percent(0.60, 0.50, higher_is_better=True) == pytest.approx(100 * 0.5 / 0.6)
+    assert recovery_percent(10.0, 12.0, higher_is_better=False) == pytest.approx(100 * 10 / 12)
+    assert recovery_percent(10.0, 10.0, higher_is_better=False) == 100.0
+    assert recovery_percent(0.0, 0.3, higher_is_better=True) is None
+
+
+BASE = TaskScores("bf16", {"lambada_openai": {"acc": Metric(0.6, 0.01, True), "perplexity": Metric(10.0, 0.5, False)}}, {"lambada_openai": 100})
+QUANT = TaskScores("nvfp4", {"lambada_openai": {"acc": Metric(0.57, 0.01, True), "perplexity": Metric(11.0, 0.6, False)}}, {"lambada_openai": 100})
+
+
+def test_compare_sets_each_metric_against_the_baseline():
+    rows = {r.metric: r for r in compare([QUANT], BASE)}
+    assert rows["acc"].delta == pytest.approx(-0.03)
+    assert rows["acc"].recovery == pytest.approx(95.0)
+    assert rows["perplexity"].delta == pytest.approx(1.0)
+    assert rows["perplexity"].recovery == pytest.approx(100 * 10 / 11)
+    assert (rows["acc"].baseline, rows["acc"].baseline_stderr, rows["acc"].stderr) == (0.6, 0.01, 0.01)
+    alone = compare([QUANT], None)
+    assert [r.recovery for r in alone] == [None, None] and [r.value for r in alone] == [0.57, 11.0]
+
+
+def test_write_eval_report_files(tmp_path):
+    paths = write_eval_report(tmp_path, [QUANT], BASE, [], {"target": "x"})
+    assert [p.name for p in paths] == ["eval.json", "eval.md", "eval_recovery.png"]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["baseline"] == "bf16"
+    assert report["samples"] == {"bf16": {"lambada_openai": 100}, "nvfp4": {"lambada_openai": 100}}
+    assert [(r["metric"], r["value"], r["baseline"]) for r in report["rows"]] == [("acc", 0.57, 0.6), ("perplexity", 11.0, 10.0)]
+    markdown = (tmp_path / "eval.md").read_text()
+    assert "| lambada_openai | acc ↑ | nvfp4 | 0.57 ± 0.01 | 0.6 ± 0.01 | -0.03 | 95.00 |" in markdown
+    assert "| lambada_openai | perplexity ↓ | nvfp4 | 11 ± 0.6 | 10 ± 0.5 | +1 | 90.91 |" in markdown
+    assert (tmp_path / "eval_recovery.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.fixture()
+def tiny_sources(monkeypatch):
+    """``quantkit.models.load_model`` serving a fresh copy of one tiny Llama for any source."""
+    tok = tiny_tokenizer()
+    reference = tiny_llama(len(tok))
+    fake = types.ModuleType("quantkit.models")
+
+    def load_model(source, *, device="cpu", dtype=torch.bfloat16):
+        model = tiny_llama(len(tok))
+        model.load_state_dict(reference.state_dict())
+        return model, tok
+
+    fake.load_model = load_model
+    monkeypatch.setitem(sys.modules, "quantkit.models", fake)
+    return reference, tok
+
+
+def test_eval_command_quantized_vs_unquantized(tmp_path, tiny_sources):
+    reference, tok = tiny_sources
+    data = write_data_dir(tmp_path / "data")
+    eval_command(target="tiny", formats="nvfp4", tasks="lambada_openai", device="cpu", data_dir=data, out=tmp_path / "out", batch_size=2)
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["baseline"] == "bf16" and report["meta"]["baseline"] == "tiny"
+    base = {r["metric"]: r for r in report["baseline_rows"]}
+    rows = {r["metric"]: r for r in report["rows"]}
+    acc, ppl = lambada_reference(reference, tok, LAMBADA_TEXTS)
+    assert base["perplexity"]["value"] == pytest.approx(ppl, rel=1e-4)
+    assert base["acc"]["value"] == pytest.approx(acc)
+    assert rows["perplexity"]["model"] == "nvfp4"
+    assert rows["perplexity"]["value"] != pytest.approx(ppl, rel=1e-4)  # really quantized
+    assert rows["perplexity"]["baseline"] == base["perplexity"]["value"]
+    assert rows["perplexity"]["recovery"] == pytest.approx(100 * base["perplexity"]["value"] / rows["perplexity"]["value"])
+
+
+def test_eval_command_check_kernels(tmp_path, tiny_sources):
+    eval_command(target="tiny", formats="nvfp4", device="cpu", check_kernels=True, out=tmp_path, batch_size=2, seq_len=16)
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["rows"] == []
+    (check,) = report["kernel_checks"]
+    assert (check["model"], check["batches"], check["tokens"]) == ("nvfp4", 4, 4 * 2 * 16)
+    # on CPU QuantLinear always runs the reference, so both paths agree exactly
+    assert check["max_rel_err"] == 0.0 and check["top1_agreement"] == 1.0
