@@ -254,6 +254,7 @@ def test_variant_compiles_to_blockscaled_tcgen05(compiled, name):
     assert f"tcgen05.cp.{group}" in ptx  # scale factors smem -> tmem
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert "tcgen05.ld.sync.aligned.32x32b.x32" in ptx
+    assert ptx.index("tcgen05.wait::ld") > ptx.index("tcgen05.ld.sync")  # registers read after the wait
     requant = epi.get("requant")
     assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == (requant == "nvfp4")
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (requant is not None)  # mxfp8 values / nvfp4 scales

@@ -511,19 +511,20 @@ class BlockscaledGemmKernel:
                     per_group = SWIGLU_GROUP // EPI_N
                     col = (step // per_group) * 2 * per_group + step % per_group
                 cute.copy(t2r, acc[(None, None, None, col)], tTR_rAcc)
+                if cutlass.const_expr(self.epi.activation == "swiglu"):
+                    cute.copy(t2r, acc[(None, None, None, col + SWIGLU_GROUP // EPI_N)], tTR_rUp)
+                cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before reading the registers
                 first = coords[(None, None, None, col)][0]
                 row, n0 = first[0], first[1]
                 y = self._bias(tTR_rAcc.load() * alpha, mBias, n0)
                 if cutlass.const_expr(self.epi.activation == "swiglu"):
-                    cute.copy(t2r, acc[(None, None, None, col + SWIGLU_GROUP // EPI_N)], tTR_rUp)
                     up = self._bias(tTR_rUp.load() * alpha, mBias, n0 + SWIGLU_GROUP)
                     y = self._silu(y) * up
-                    n0 = (n0 // (2 * SWIGLU_GROUP)) * SWIGLU_GROUP + n0 % SWIGLU_GROUP
+                    n0 = (n0 // (2 * SWIGLU_GROUP)) * SWIGLU_GROUP + n0 % SWIGLU_GROUP  # output column
                 else:
                     y = self._activation(y)
                 self._store(y, row, n0, m, mOut, mOutSF, mResidual, qscale, frag.shape)
-            cute.arch.fence_view_async_tmem_load()
-            acc_pipe.consumer_release(acc_state)
+            acc_pipe.consumer_release(acc_state)  # every tcgen05.ld of this tile has been waited for
             acc_state.advance()
 
         tmem.relinquish_alloc_permit()
