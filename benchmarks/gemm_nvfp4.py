@@ -1,0 +1,290 @@
+"""Check and benchmark the sm90 NVFP4 GEMMs (W4A16, W4A8) on one Hopper GPU.
+
+Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 70b] [--quick]``.
+
+1. **Check** (a subprocess, overlapping the benchmark's compiles): every kernel on fresh
+   random-normal inputs, output poisoned with NaN, compared with float64 math: W4A16 with the
+   dequantized weight, W4A8 with :func:`quantkit.formats.w4a8.accumulate` (its documented
+   rounding), for M in {1, 3, 16, 64, 257, 4096} and each epilogue kind.
+2. **Benchmark**: Llama-3-8B and -70B projection shapes at M in {1, 4, 16, 64, 256, 4096}
+   (W4A8 also at 1024, 2048 for the crossover): ours (W4A16, W4A8 incl. its activation
+   quantization), bf16 cuBLAS (``F.linear``), dequantize-then-matmul, and QuACK
+   ``gemm_w4a16(wformat="nvfp4")`` when importable. Median of CUDA-graph replays (CUDA events);
+   weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
+   (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantkit.formats import get_format, w4a8  # noqa: E402
+from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
+from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
+
+SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
+    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+}
+MS = [1, 4, 16, 64, 256, 4096]
+W4A8_MS = [64, 256, 1024, 2048, 4096]
+L2_BYTES = 50 * 2**20
+
+
+def log(msg, fh=None):
+    print(msg, flush=True)
+    if fh is not None:
+        fh.write(msg + "\n")
+        fh.flush()
+
+
+def watchdog(seconds: float, what: str):
+    """Exit the process (code 3) if ``what`` takes longer than ``seconds`` (a hung kernel)."""
+    timer = threading.Timer(seconds, lambda: (print(f"WATCHDOG: {what} exceeded {seconds}s", flush=True),
+                                              os._exit(3)))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def quantized(n, k, seed=0, swiglu=False, device="cuda"):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, device=device) * 0.05
+    if swiglu:
+        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    return get_format("nvfp4-w4a16").quantize_weight(w)
+
+
+_LUT = {}
+
+
+def dequant(qw) -> torch.Tensor:
+    """FP32 ``e2m1 · s_b · s_g`` in plain torch (the dequantize-then-matmul baseline's first half;
+    no host-to-device copies, so it can be graph-captured once the LUT exists)."""
+    dev = qw.data.device
+    if dev not in _LUT:
+        _LUT[dev] = e2m1_decode(torch.arange(16, dtype=torch.uint8, device=dev))
+    n, kh = qw.data.shape
+    vals = _LUT[dev][unpack_nibbles(qw.data).int()].view(n, -1, 16) * qw.scale.float()[..., None]
+    return vals.view(n, 2 * kh) * qw.tensor_scale.float()
+
+
+# ----------------------------------------------------------------------------------- check
+CHECK_EPILOGUES = [Epilogue(bias=True, activation="silu", residual=True), Epilogue(activation="gelu_tanh"),
+                   Epilogue(activation="relu"), Epilogue(activation="swiglu", bias=True, residual=True)]
+
+
+def check_case(mode, m, n, k, epi, seed):
+    qw = quantized(n, k, seed, epi.activation == "swiglu")
+    prep = ng.prepare(qw.data, qw.scale, qw.tensor_scale)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if epi.bias else None
+    res = torch.randn(m, n_out, device="cuda").to(torch.bfloat16) if epi.residual else None
+    out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fn = ng.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
+    fn(x, prep, epi, bias, res, out=out)
+    torch.cuda.synchronize()
+    if mode == "w4a8":
+        acc = w4a8.accumulate(x, qw.data, qw.scale, qw.tensor_scale).double()
+    else:
+        acc = x.double() @ dequant(qw).double().T
+    y = acc + bias.double() if epi.bias else acc
+    y = apply_activation(y, epi.activation)
+    ref = y + res.double() if epi.residual else y
+    unwritten = int(torch.isnan(out).sum())
+    err = float((out.double() - ref).norm() / ref.norm())
+    rounded = float((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm())  # the bf16 floor
+    return unwritten, err, rounded
+
+
+def run_check(fh) -> bool:
+    cases = [(mode, m, 1000, 2048, Epilogue()) for mode in ("w4a16", "w4a8") for m in (1, 3, 16, 64, 257, 4096)]
+    cases += [(mode, 37, 1024, 1536, e) for mode in ("w4a16", "w4a8") for e in CHECK_EPILOGUES]
+    cases += [("w4a16", 1, 512, 14336, Epilogue()), ("w4a16", 5, 256, 8192, Epilogue(activation="swiglu"))]
+    ok = True
+    for i, (mode, m, n, k, epi) in enumerate(cases):
+        t0 = time.time()
+        timer = watchdog(240, f"check {mode} m={m} {epi}")
+        try:
+            unwritten, err, floor = check_case(mode, m, n, k, epi, seed=i)
+            good = unwritten == 0 and err < max(4e-3, 2 * floor)
+            log(f"CHECK {'PASS' if good else 'FAIL'} {mode} M={m} N={n} K={k} {epi}: rel_err={err:.2e} "
+                f"(bf16 floor {floor:.1e}) unwritten={unwritten} [{time.time() - t0:.1f}s]", fh)
+            ok &= good
+        except Exception:
+            log(f"CHECK ERROR {mode} M={m} N={n} K={k} {epi}:\n{traceback.format_exc()}", fh)
+            ok = False
+        timer.cancel()
+    return ok
+
+
+# ----------------------------------------------------------------------------------- bench
+def bench_graph(fn_list, reps=15) -> float:
+    """Median µs per call of ``fn_list`` (called round-robin, one per input copy) from CUDA-graph
+    replays of one pass over the list."""
+    for f in fn_list:  # warm up: compile, allocate workspaces
+        f()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fn_list:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fn_list:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fn_list))
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
+
+
+def load_quack():
+    try:
+        from quack.gemm_w4 import gemm_w4a16, prepare_w4_weight
+        return gemm_w4a16, prepare_w4_weight
+    except Exception as err:  # noqa: BLE001
+        print(f"QuACK unavailable: {err!r}")
+        return None
+
+
+def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False):
+    """Time every contender; QuACK last (its compiles are slow), nothing new after ``deadline``
+    (time.time())."""
+    quack = load_quack()
+    rows = {}
+    for with_quack in (False, True):
+        if with_quack and quack is None:
+            break
+        for name in shapes:
+            for n, k in SHAPES[name]:
+                if time.time() > deadline:
+                    log(f"deadline reached: skipping {name} {n}x{k} (quack={with_quack})", fh)
+                    continue
+                qw = quantized(n, k, seed=n + k)
+                w_bytes = n * k // 2 + n * k // 16
+                nw = copies_for(w_bytes)
+                ts = float(qw.tensor_scale)
+                if with_quack:
+                    try:
+                        qblobs = [quack[1](qw.data, qw.scale, wformat="nvfp4") for _ in range(nw)]
+                    except Exception:  # noqa: BLE001
+                        log(f"QuACK prepare failed: {traceback.format_exc()}", fh)
+                        continue
+                else:
+                    preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(nw)]
+                    bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+                for m in sorted(set(ms) | set(w4a8_ms)):
+                    if with_quack and m > 64:
+                        continue
+                    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                    io_bytes = 2 * m * k + 2 * m * n
+                    res = rows.setdefault((name, n, k, m), {"shape": f"{name} {n}x{k}", "n": n, "k": k, "m": m})
+                    contenders = {}
+                    if with_quack:
+                        contenders["quack"] = ([lambda b=b: quack[0](x, b[0], b[1], tensor_scale=ts, wformat="nvfp4")
+                                                for b in qblobs], w_bytes)
+                    if not with_quack and m in ms:
+                        contenders["w4a16"] = ([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps], w_bytes)
+                        contenders["bf16"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)
+                        if not quick:
+                            contenders["dequant+mm"] = (
+                                [lambda: torch.nn.functional.linear(x, dequant(qw).to(torch.bfloat16))], w_bytes)
+                    if not with_quack and m in w4a8_ms:
+                        contenders["w4a8"] = ([lambda p=p: ng.nvfp4_w4a8(x, p) for p in preps], w_bytes)
+                    for cname, (fns, wbytes) in contenders.items():
+                        timer = watchdog(300, f"bench {cname} {res['shape']} m={m}")
+                        try:
+                            us = bench_graph(fns)
+                            res[cname] = us
+                            res[cname + "_tbs"] = (wbytes + io_bytes) / us / 1e6
+                        except Exception:  # noqa: BLE001
+                            log(f"BENCH ERROR {cname} {res['shape']} M={m}: {traceback.format_exc(limit=3)}", fh)
+                        timer.cancel()
+                    log("BENCH " + json.dumps(res), fh)
+                if with_quack:
+                    del qblobs
+                else:
+                    del preps, bf16s
+                torch.cuda.empty_cache()
+    return list(rows.values())
+
+
+def table(rows) -> str:
+    head = ("shape", "M", "w4a16 µs", "TB/s", "bf16 µs", "TB/s", "x bf16", "deq+mm µs", "quack µs", "x quack",
+            "w4a8 µs", "x bf16")
+    lines = [" | ".join(head)]
+    for r in rows:
+        def f(key, fmt="{:.1f}"):
+            return fmt.format(r[key]) if key in r else "-"
+        ratio = lambda a, b: f"{r[b] / r[a]:.2f}" if a in r and b in r else "-"  # noqa: E731
+        lines.append(" | ".join([r["shape"], str(r["m"]), f("w4a16"), f("w4a16_tbs", "{:.2f}"), f("bf16"),
+                                 f("bf16_tbs", "{:.2f}"), ratio("w4a16", "bf16"), f("dequant+mm"), f("quack"),
+                                 ratio("w4a16", "quack"), f("w4a8"), ratio("w4a8", "bf16")]))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--shapes", nargs="+", default=["8b", "70b"])
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="skip the dequantize-then-matmul baseline")
+    ap.add_argument("--budget", type=float, default=420, help="seconds after which no new shape starts")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.check_only:
+        with open(out / "check.log", "w") as fh:
+            sys.exit(0 if run_check(fh) else 1)
+    deadline = time.time() + args.budget
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    checker = None
+    if not args.skip_check:  # overlaps the benchmark's compiles; the timing waits for it
+        checker = subprocess.Popen([sys.executable, __file__, "--check-only", "--out", str(out)])
+    with open(out / "bench.log", "w") as fh:
+        # compile the benchmark kernels while the check runs
+        for m in sorted(set(MS) | set(W4A8_MS)):
+            for name in args.shapes:
+                for n, k in SHAPES[name]:
+                    for mode in (("w4a16",) if m in MS else ()) + (("w4a8",) if m in W4A8_MS else ()):
+                        cfg = ng.pick_config(m, -(-n // 128) * 128, k, Epilogue(), mode == "w4a8")
+                        ng.compile_gemm(cfg, Epilogue(), mode == "w4a8")
+        log(f"compiled benchmark kernels ({time.time() - deadline + args.budget:.0f}s)", fh)
+        if checker is not None:
+            rc = checker.wait()
+            log(f"check subprocess exit code {rc}", fh)
+        rows = run_bench(args.shapes, MS, W4A8_MS, fh, deadline, args.quick)
+    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

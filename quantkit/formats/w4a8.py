@@ -1,0 +1,65 @@
+"""W4A8: NVFP4 weights served through an FP8 (E4M3 x E4M3) GEMM, FP8 per-token activations.
+
+Hopper has no FP4 tensor cores, so an NVFP4 weight ``w = e2m1(q) · s_b · s_g`` (see
+:mod:`quantkit.formats.nvfp4`) is converted to E4M3 on the fly. ``e2m1(q) · s_b`` carries up to six
+significant bits and spans up to ``6 · 448``, so it is not always an E4M3 value. The rounding is:
+
+1. **Row exponent.** For each weight row ``n``: ``c_n = floor(log2(max_b s_b[n, b]))`` over the
+   row's block scales (``c_n = 0`` for a row whose scales are all zero). Then
+   ``s_b · 2^-c_n < 2`` for every block of the row, so ``|e2m1 · s_b · 2^-c_n| < 12``.
+2. **One rounding per weight.** ``w8[n, k] = e4m3(e2m1(q[n, k]) · s_b[n, k//16] · 2^-c_n)``,
+   round-to-nearest-even of the exact product (the product is exact in FP16, where the kernel
+   forms it; no saturation can occur). Values below ``2^-6`` land on E4M3's subnormal grid
+   (step ``2^-9``); with the row maximum near ``12`` that only affects weights ``2^-10.6``
+   below the row maximum.
+3. **Activations.** FP8 per token, dynamic (:mod:`quantkit.formats.fp8`, block ``(1, 0)``):
+   ``s_x[m] = amax_m / 448`` (an all-zero row gets 1), ``xq = e4m3(x / s_x)``.
+4. **GEMM.** ``acc[m, n] = (Σ_k xq[m, k] · w8[n, k]) · s_x[m] · 2^c_n · s_g`` in FP32, then the
+   epilogue (:mod:`quantkit.kernels.epilogue`).
+
+Error of the weight conversion: ``|w8 · 2^c_n · s_g - w| <= 2^-4 |w|`` where the scaled value is
+E4M3-normal (``>= 2^-6``), else ``<= 2^-10 · 2^c_n · s_g`` (half a subnormal step).
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.formats import fp8
+from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
+
+BLOCK = 16
+
+
+def row_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N]``: ``c_n = floor(log2(max_b s_b[n, b]))`` for E4M3 block scales ``[N, K/16]``
+    (0 where the row's scales are all zero)."""
+    smax = scale.float().amax(dim=1)
+    _, exp = torch.frexp(torch.where(smax > 0, smax, torch.ones_like(smax)))  # smax = m * 2^exp, m in [.5, 1)
+    return torch.where(smax > 0, exp - 1, torch.zeros_like(exp)).to(torch.int32)
+
+
+def weight_to_fp8(packed: torch.Tensor, scale: torch.Tensor, exponents: torch.Tensor | None = None) -> torch.Tensor:
+    """``float8_e4m3fn [N, K]``: ``e4m3(e2m1(q) · s_b · 2^-c_n)`` for packed E2M1 ``uint8 [N, K/2]``,
+    E4M3 block scales ``[N, K/16]`` and row exponents ``c_n`` (default :func:`row_exponents`)."""
+    c = row_exponents(scale) if exponents is None else exponents
+    n = packed.shape[0]
+    vals = e2m1_decode(unpack_nibbles(packed)).reshape(n, -1, BLOCK)
+    s = torch.ldexp(scale.float(), -c.to(torch.float32)[:, None])  # exact power-of-two shift
+    return (vals * s[..., None]).reshape(n, -1).to(torch.float8_e4m3fn)  # exact product, one RNE
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq float8_e4m3fn [M, K], s_x FP32 [M])``: dynamic per-token FP8 of ``x [M, K]``."""
+    q, s = fp8.quantize(x, (1, 0))
+    return q, s[:, 0]
+
+
+def accumulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """The W4A8 accumulator ``acc [M, N]`` (FP32; summed in float64, then rounded once) for
+    activations ``x [M, K]`` and an NVFP4 weight (packed, block scales, FP32 tensor scale)."""
+    c = row_exponents(scale)
+    w8 = weight_to_fp8(packed, scale, c).double()
+    xq, sx = quantize_activation(x)
+    acc = xq.double() @ w8.T
+    factor = sx.double()[:, None] * torch.ldexp(torch.ones_like(c, dtype=torch.float64), c)[None, :]
+    return (acc * factor * tensor_scale.double()).float()

@@ -1,0 +1,789 @@
+"""Hopper (sm_90a) GEMMs on NVFP4 weights, in CuTeDSL: W4A16 (decode) and W4A8 (prefill).
+
+Hopper has no FP4 tensor cores: the packed E2M1 weights are decoded in registers and fed to
+WGMMA as the register-sourced A operand. The problem is computed transposed,
+``out^T[N, M] = W[N, K] · x^T``: weight rows fill the 64-row WGMMA M, tokens the WGMMA N
+(8..128), so a decode batch of one token still uses a legal (if mostly idle) MMA while the
+kernel streams the weight bytes.
+
+* **W4A16**: ``x`` bf16. Each E2M1 code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the
+  code 0.5 is a bf16 subnormal), times the block scale re-encoded at load time as
+  ``s_b · 2^119`` in bf16, one ``mul.bf16x2`` per pair: the product ``e2m1 · s_b · 2^-7`` is
+  exact. ``acc · (s_g · 2^7)`` in the epilogue.
+* **W4A8**: ``x`` quantized per token to E4M3 (:mod:`quantkit.formats.w4a8`); each code becomes
+  an f16 ``e2m1 · 2^-14``, times ``s_b · 2^(14-c_n)`` (one ``mul.f16x2``: exactly
+  ``e2m1 · s_b · 2^-c_n``), rounded once to E4M3 (``cvt.rn.satfinite.e4m3x2.f16x2``); FP8 WGMMA.
+  Both kernels read the same prepared weight: the activations' K order is permuted within each
+  32-column group (:func:`w4a8_k_permutation`) so that the FP8 fragment slots line up with the
+  bytes each thread holds.
+
+Weight layout (:func:`prepare`): one 4608-byte tile per (64 weight rows, 128 K): 4096 bytes of
+codes in WGMMA-fragment order (thread ``t`` reads 16 bytes at ``t·16`` and ``2048 + t·16``; one
+32-bit word per thread and 16-K block holding the thread's 8 values, bits placed so that 11
+shift/logic instructions decode them), then 512 bytes of re-encoded block scales (one 16-byte
+word per group of 4 threads). Rows are padded to a multiple of 128.
+
+Structure: per CTA, 1 or 2 consumer warpgroups (64 weight rows each) and one producer warp that
+moves each stage with ``cp.async.bulk`` (weights) and a TMA tile load (activations) onto one
+mbarrier. Split-K across CTAs (``grid.z``) for small grids: each CTA writes its FP32 partial
+tile, the last to arrive (per-tile counter, reset to 0 by it) sums the partials in split order
+(deterministic) and runs the epilogue (alpha, bias, activation incl. interleaved SwiGLU,
+residual) from registers.
+"""
+import functools
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+
+BK = 128  # K per pipeline stage
+ROWS = 64  # weight rows per warpgroup (WGMMA M)
+CODE_BYTES = ROWS * BK // 2
+SCALE_BYTES = ROWS * BK // 16
+TILE_BYTES = CODE_BYTES + SCALE_BYTES
+ROW_PAD = 2 * ROWS  # prepared rows are a multiple of this (whole 2-warpgroup CTAs, SwiGLU pairs)
+W16_EXP_BIAS = 236  # scale byte t -> bf16 bits (t << 4) + (236 << 7) = s_b * 2^119
+W8_EXP_BIAS = 19  # scale byte t -> f16 bits (t << 7) + ((19 - c_n) << 10) = s_b * 2^(14 - c_n)
+_GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
+
+# ---------------------------------------------------------------------------------------- layout
+# A k16 word holds the 8 values of one thread for one 16-K block, as 4 bf16x2 WGMMA registers:
+# pair 0 = (row r, k, k+1), pair 1 = (row r+8, k, k+1), pair 2 = (row r, k+8, k+9),
+# pair 3 = (row r+8, k+8, k+9), with r = 16*warp + lane//4 and k = 2*(lane%4).
+# Decoding pair j puts its lo value's E2M1 bits (m, e0, e1, sign) at bf16 bits (6, 7, 8, 15)
+# and its hi value's at (22, 23, 24, 31): magnitude bits come from rotl(word, MAG_ROT[j]),
+# sign bits from rotl(word, SIGN_ROT[j]) (a rotation search found this 11-instruction set).
+MAG_ROT = (0, 3, 6, 13)
+SIGN_ROT = (0, 3, 1, 2)
+_OUT_BITS = ((6, 7, 8, 15), (22, 23, 24, 31))  # (lo, hi) value: bf16 bit of code bits 0..3
+
+
+def _source_bits() -> tuple[tuple[int, ...], ...]:
+    """``src[v][i]``: the word bit holding code bit ``i`` of value ``v = 2*pair + (0 lo | 1 hi)``."""
+    src = []
+    for j in range(4):
+        for half in range(2):
+            src.append(tuple((bit - (SIGN_ROT[j] if i == 3 else MAG_ROT[j])) % 32 for i, bit in enumerate(_OUT_BITS[half])))
+    flat = sorted(b for v in src for b in v)
+    assert flat == list(range(32)), "decode bit layout must use every word bit exactly once"
+    return tuple(src)
+
+
+SOURCE_BITS = _source_bits()
+
+
+def encode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes ``t = (E + 10) << 3 | m`` for E4M3 block scales ``s = 2^E · (1 + m/8)`` (E4M3
+    subnormals renormalized; ``t = 0`` for ``s = 0``): the kernels' scale byte, any shape."""
+    s = scale.float()
+    frac, exp = torch.frexp(torch.where(s > 0, s, torch.ones_like(s)))  # s = frac * 2^exp, frac in [.5, 1)
+    t = ((exp - 1 + 10) << 3) | (frac * 16 - 8).to(torch.int32)
+    return torch.where(s > 0, t, torch.zeros_like(t)).to(torch.uint8)
+
+
+def decode_scales(t: torch.Tensor) -> torch.Tensor:
+    """FP32 block scales from :func:`encode_scales` bytes (inverse on E4M3 values)."""
+    t = t.to(torch.int32)
+    val = torch.ldexp(1 + (t & 7).float() / 8, ((t >> 3) - 10).float())
+    return torch.where(t > 0, val, torch.zeros_like(val))
+
+
+def _fragment_index(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [128, 8], k [8, 128, 8]) within a 64x128 tile of value ``v`` of thread ``t`` in
+    16-K block ``b``: rows r, r, r+8, r+8, r, r, r+8, r+8 and k offsets 0, 1, 0, 1, 8, 9, 8, 9."""
+    t = torch.arange(128, device=device)
+    r = 16 * (t // 32) + (t % 32) // 4
+    c = t % 4
+    dv_row = torch.tensor([0, 0, 8, 8, 0, 0, 8, 8], device=device)
+    dv_k = torch.tensor([0, 1, 0, 1, 8, 9, 8, 9], device=device)
+    row = r[:, None] + dv_row[None, :]
+    k = 16 * torch.arange(8, device=device)[:, None, None] + (2 * c)[None, :, None] + dv_k[None, None, :]
+    return row, k
+
+
+@dataclass
+class Nvfp4Sm90Weight:
+    """An NVFP4 weight ``[N, K]`` re-laid for these kernels (:func:`prepare`).
+
+    ``tiles``: uint8 ``[N_pad/64, K/128, 4608]``; ``row_exp``: int32 ``[N_pad]`` (W4A8 ``c_n``);
+    ``tensor_scale``: FP32 ``[1]``; ``n``, ``k``: the logical shape (``N_pad = roundup(N, 128)``)."""
+
+    tiles: torch.Tensor
+    row_exp: torch.Tensor
+    tensor_scale: torch.Tensor
+    n: int
+    k: int
+
+
+def prepare(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> Nvfp4Sm90Weight:
+    """Re-lay an NVFP4 weight (packed E2M1 ``uint8 [N, K/2]``, E4M3 block scales ``[N, K/16]``,
+    FP32 tensor scale) into the tile layout both kernels load (see the module docstring).
+    Codes of blocks whose scale is zero are set to zero (same dequantized weight). K must be a
+    multiple of 128. Runs on the tensors' device; do it once, at load time."""
+    from quantkit.formats.codecs import unpack_nibbles
+    from quantkit.formats.w4a8 import row_exponents
+
+    n, half_k = packed.shape
+    k = 2 * half_k
+    if packed.dtype != torch.uint8 or k % BK or tuple(scale.shape) != (n, k // 16):
+        raise ValueError(f"expected uint8 [N, K/2] codes with K % {BK} == 0 and scales [N, K/16]; got "
+                         f"{packed.dtype} {tuple(packed.shape)}, scales {tuple(scale.shape)}")
+    scale = scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
+    dev = packed.device
+    n_pad = -(-n // ROW_PAD) * ROW_PAD
+    codes = unpack_nibbles(packed).view(n, k // 16, 16)
+    codes = torch.where((scale.float() == 0)[..., None], torch.zeros_like(codes), codes).view(n, k)
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, n_pad - n))
+    t_bytes = torch.nn.functional.pad(encode_scales(scale), (0, 0, 0, n_pad - n))
+    nb, kt = n_pad // ROWS, k // BK
+
+    row, kk = _fragment_index(dev)  # [128, 8], [8, 128, 8]
+    tiles = codes.view(nb, ROWS, kt, BK).permute(0, 2, 1, 3)  # [nb, kt, 64, 128]
+    words = torch.zeros(nb, kt, 8, 128, dtype=torch.int64, device=dev)  # [.., k16 block b, thread t]
+    for v, src in enumerate(SOURCE_BITS):
+        vals = tiles[:, :, row[None, :, v].expand(8, -1), kk[..., v]].to(torch.int64)  # value v of (b, t)
+        for i, bit in enumerate(src):
+            words |= ((vals >> i) & 1) << bit
+    words = words.view(nb, kt, 2, 4, 128).permute(0, 1, 2, 4, 3)  # word (b//4, t, b%4)
+    code_bytes = _int32_bytes(words.reshape(nb, kt, CODE_BYTES // 4))
+
+    # scales: quad q = 8*warp + lane//4 (rows r = 16*(q//8) + q%8 and r+8) owns 16 bytes:
+    # word j = (t[r, 2j], t[r, 2j+1], t[r+8, 2j], t[r+8, 2j+1])
+    q = torch.arange(32, device=dev)
+    r = 16 * (q // 8) + q % 8
+    e = torch.arange(4, device=dev)
+    srow = r[:, None, None] + 8 * (e // 2)[None, None, :]  # [32, 1, 4]
+    sblk = 2 * torch.arange(4, device=dev)[None, :, None] + (e % 2)[None, None, :]  # [1, 4, 4]
+    stile = t_bytes.view(nb, ROWS, kt, BK // 16).permute(0, 2, 1, 3)  # [nb, kt, 64, 8]
+    scale_bytes = stile[:, :, srow.expand(-1, 4, -1), sblk.expand(32, -1, -1)].reshape(nb, kt, SCALE_BYTES)
+
+    row_exp = torch.nn.functional.pad(row_exponents(scale), (0, n_pad - n))
+    ts = tensor_scale.detach().float().reshape(1).to(dev)
+    return Nvfp4Sm90Weight(torch.cat([code_bytes, scale_bytes], dim=-1).contiguous(), row_exp.contiguous(), ts, n, k)
+
+
+def _int32_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 tensor of 32-bit words ``[..., W]`` -> little-endian uint8 ``[..., 4W]``."""
+    shifts = torch.arange(0, 32, 8, device=words.device)
+    return ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+
+
+def unprepare(w: Nvfp4Sm90Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`prepare` on its codes and scales: (packed ``uint8 [N, K/2]``, FP32 block
+    scales ``[N, K/16]``), for round-trip checks."""
+    from quantkit.formats.codecs import pack_nibbles
+
+    tiles = w.tiles
+    nb, kt, _ = tiles.shape
+    dev = tiles.device
+    raw = tiles[..., :CODE_BYTES].to(torch.int64).view(nb, kt, CODE_BYTES // 4, 4)
+    words = (raw << torch.arange(0, 32, 8, device=dev)).sum(-1)  # [nb, kt, 1024]
+    words = words.view(nb, kt, 2, 128, 4).permute(0, 1, 2, 4, 3).reshape(nb, kt, 8, 128)  # [.., b, t]
+    src = torch.tensor(SOURCE_BITS, device=dev, dtype=torch.int64)  # [v, bit]
+    vals = ((words[..., None, None] >> src) & 1) << torch.arange(4, device=dev)  # [.., b, t, v, bit]
+    vals = vals.sum(-1)  # [nb, kt, b, t, v]
+    row, kk = _fragment_index(dev)
+    codes = torch.zeros(nb, kt, ROWS, BK, dtype=torch.int64, device=dev)
+    codes[:, :, row[None].expand(8, -1, -1), kk] = vals
+    codes = codes.permute(0, 2, 1, 3).reshape(nb * ROWS, kt * BK)[: w.n].to(torch.uint8)
+
+    q = torch.arange(32, device=dev)
+    r = 16 * (q // 8) + q % 8
+    e = torch.arange(4, device=dev)
+    srow = (r[:, None, None] + 8 * (e // 2)[None, None, :]).expand(-1, 4, -1)
+    sblk = (2 * torch.arange(4, device=dev)[None, :, None] + (e % 2)[None, None, :]).expand(32, -1, -1)
+    stile = torch.zeros(nb, kt, ROWS, BK // 16, dtype=torch.uint8, device=dev)
+    stile[:, :, srow, sblk] = tiles[..., CODE_BYTES:].view(nb, kt, 32, 4, 4)
+    t_bytes = stile.permute(0, 2, 1, 3).reshape(nb * ROWS, kt * BK // 16)[: w.n]
+    return pack_nibbles(codes), decode_scales(t_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def w4a8_k_permutation(k: int, device=None) -> torch.Tensor:
+    """int64 ``[K]``: the W4A8 kernel reads ``x[:, perm]``. Within each 32-column group, FP8
+    fragment slot ``4c + j`` (and ``16 + 4c + j``) holds column ``(2c, 2c+1, 2c+8, 2c+9)[j]``
+    (plus 16): the columns the bf16 layout gives thread ``c``."""
+    c = torch.arange(4)
+    cols = torch.stack([2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9], dim=1).reshape(16)
+    group = torch.cat([cols, cols + 16])
+    return (torch.arange(0, k, 32)[:, None] + group[None, :]).reshape(k).to(device)
+
+
+# ---------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class Config:
+    """Launch shape: ``bn`` tokens per CTA (WGMMA N), ``warpgroups`` consumer warpgroups (64 weight
+    rows each), ``stages`` pipeline depth, ``splits`` K-splits across CTAs."""
+
+    bn: int
+    warpgroups: int
+    stages: int
+    splits: int
+
+    def check(self, epilogue: Epilogue) -> None:
+        """Raise ValueError if this config cannot run ``epilogue``."""
+        if self.bn not in (8, 16, 32, 64, 128) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
+            raise ValueError(f"unsupported config {self}")
+        if epilogue.activation == "swiglu" and self.warpgroups != 2:
+            raise ValueError("swiglu needs 2 warpgroups (the gate and up halves of a 128-row group)")
+        if epilogue.requant is not None:
+            raise ValueError("the NVFP4 sm90 kernels write bf16 only (no requant epilogue)")
+
+
+_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs per SM
+
+
+def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_sms: int = 132) -> Config:
+    """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T``: the smallest token tile holding
+    ``m`` (128 beyond), 2 warpgroups unless the grid would be too small, and enough K-splits
+    (each at least 4 stages long) to give every SM two CTAs."""
+    bn = next((b for b in (8, 16, 32, 64) if m <= b), 128)
+    wgs = 2 if (epilogue.activation == "swiglu" or bn >= 64 or n_pad // ROWS >= 4 * num_sms) else 1
+    ctas = (n_pad // (ROWS * wgs)) * (-(-m // bn))
+    k_tiles = k // BK
+    splits = 1
+    while ctas * splits < 2 * num_sms and k_tiles // (2 * splits) >= 4:
+        splits *= 2
+    stage_bytes = wgs * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
+    stages = max(3, min(8, _SMEM_BUDGET // stage_bytes))
+    return Config(bn, wgs, stages, splits)
+
+
+# ---------------------------------------------------------------------------------------- kernel
+def _build_kernel_class():
+    """Define the CuTeDSL kernel (imports CuTeDSL; called on first compile)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+    from cutlass.cute.nvgpu import warpgroup
+
+    def _asm_u32(operands, asm, constraints, loc, ip):
+        return Uint32(llvm.inline_asm(T.i32(), operands, asm, constraints, has_side_effects=False, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def mul_x2_bcast(a, pair, hi: bool, f16: bool, *, loc=None, ip=None):
+        """``a`` (bf16x2 or f16x2) times lane ``hi`` of ``pair`` broadcast to both lanes."""
+        lane, ty = ("h" if hi else "l"), ("f16x2" if f16 else "bf16x2")
+        asm = ("{.reg .b16 l, h; .reg .b32 bb; mov.b32 {l, h}, $2; "
+               f"mov.b32 bb, {{{lane}, {lane}}}; mul.rn.{ty} $0, $1, bb;}}")
+        return _asm_u32([Uint32(a).ir_value(loc=loc, ip=ip), Uint32(pair).ir_value(loc=loc, ip=ip)], asm, "=r,r,r", loc, ip)
+
+    @dsl_user_op
+    def f16x2x2_to_e4m3x4(lo, hi, *, loc=None, ip=None):
+        """Four E4M3 bytes (RNE, satfinite) of two f16x2 words, element order kept."""
+        asm = ("{.reg .b16 a, b; cvt.rn.satfinite.e4m3x2.f16x2 a, $1; "
+               "cvt.rn.satfinite.e4m3x2.f16x2 b, $2; mov.b32 $0, {a, b};}")
+        return _asm_u32([Uint32(lo).ir_value(loc=loc, ip=ip), Uint32(hi).ir_value(loc=loc, ip=ip)], asm, "=r,r,r", loc, ip)
+
+    @dsl_user_op
+    def bulk_g2s(dst_smem, src_gmem, nbytes: int, mbar_smem, *, loc=None, ip=None):
+        """``cp.async.bulk`` of ``nbytes`` global -> shared, completing on the mbarrier."""
+        llvm.inline_asm(
+            None,
+            [Int32(dst_smem).ir_value(loc=loc, ip=ip), Int64(src_gmem).ir_value(loc=loc, ip=ip),
+             Int32(mbar_smem).ir_value(loc=loc, ip=ip)],
+            f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
+            "r,l,r", has_side_effects=True, loc=loc, ip=ip,
+        )
+
+    @dsl_user_op
+    def pow2(e, *, loc=None, ip=None):
+        """FP32 ``2^e`` for an integer ``e`` in [-126, 127] (exact: built from the exponent bits)."""
+        bits = (Int32(e) + 127) << 23
+        return Float32(llvm.bitcast(T.f32(), bits.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+    def rotl(q, r: int):
+        return q if r == 0 else (q << r) | (q >> (32 - r))
+
+    class Nvfp4GemmSm90:
+        """One (mode, config, epilogue, bias dtype) kernel; call through ``cute.compile``."""
+
+        def __init__(self, config: Config, epilogue: Epilogue, w4a8: bool, bias_fp32: bool):
+            config.check(epilogue)
+            self.cfg, self.epi, self.w4a8 = config, epilogue, w4a8
+            self.bias_dtype = Float32 if bias_fp32 else cutlass.BFloat16
+            self.ab_dtype = cutlass.Float8E4M3FN if w4a8 else cutlass.BFloat16
+            self.mma_k = BK // (32 if w4a8 else 16)  # WGMMA k-blocks per stage
+            self.wgs = config.warpgroups
+            self.swiglu = epilogue.activation == "swiglu"
+            self.acc_n = config.bn // 2  # accumulator registers per thread
+            self.producer_warp = 4 * self.wgs
+            self.threads = 128 * self.wgs + 32
+
+        @cute.jit
+        def __call__(self, x_ptr: Int64, tiles_ptr: Int64, exp_ptr: Int64, xs_ptr: Int64, gs_ptr: Int64,
+                     out_ptr: Int64, bias_ptr: Int64, res_ptr: Int64, ws_ptr: Int64, cnt_ptr: Int64,
+                     m: Int32, n_pad: Int32, n_out: Int32, k: Int32, splits: Int32, stream):
+            gmem = cute.AddressSpace.gmem
+            cfg = self.cfg
+            k = cute.assume(k, divby=BK)
+            n_rows = n_out * 2 if self.swiglu else n_out
+            mX = cute.make_tensor(cute.make_ptr(self.ab_dtype, x_ptr, gmem, assumed_align=16),
+                                  cute.make_layout((m, k), stride=(k, 1)))
+            mOut = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, out_ptr, gmem, assumed_align=16),
+                                    cute.make_layout((m, n_out), stride=(n_out, 1)))
+            mGs = cute.make_tensor(cute.make_ptr(Float32, gs_ptr, gmem, assumed_align=4), cute.make_layout(1))
+            mExp, mXs, mBias, mRes = None, None, None, None
+            if cutlass.const_expr(self.w4a8):
+                mExp = cute.make_tensor(cute.make_ptr(Int32, exp_ptr, gmem, assumed_align=4), cute.make_layout(n_pad))
+                mXs = cute.make_tensor(cute.make_ptr(Float32, xs_ptr, gmem, assumed_align=4), cute.make_layout(m))
+            if cutlass.const_expr(self.epi.bias):
+                mBias = cute.make_tensor(cute.make_ptr(self.bias_dtype, bias_ptr, gmem, assumed_align=4),
+                                         cute.make_layout(n_rows))
+            if cutlass.const_expr(self.epi.residual):
+                mRes = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, res_ptr, gmem, assumed_align=4),
+                                        cute.make_layout((m, n_out), stride=(n_out, 1)))
+
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, BK), self.ab_dtype)
+            x_smem = cute.tile_to_shape(atom, (cfg.bn, BK, cfg.stages), order=(0, 1, 2))
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                Float32, (1, 1, 1), tiler_mn=(ROWS, cfg.bn), a_source=warpgroup.OperandSource.RMEM)
+            tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(x_smem, (None, None, 0)), (cfg.bn, BK))
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
+                flag: cute.struct.MemRange[Int32, 4]
+                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
+                sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
+                xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
+
+            self.shared_storage = SharedStorage
+            grid = (n_pad // (ROWS * self.wgs), (m + cfg.bn - 1) // cfg.bn, splits)
+            self.kernel(tma_x, tX, tiles_ptr, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
+                        m, n_out, n_rows, k, splits, tiled_mma, x_smem).launch(
+                grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tiles_ptr: Int64,
+                   mExp: cute.Tensor | None, mXs: cute.Tensor | None, mGs: cute.Tensor, mOut: cute.Tensor,
+                   mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
+                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32, splits: Int32,
+                   tiled_mma: cute.TiledMma, x_smem: cute.ComposedLayout):
+            cfg = self.cfg
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bx, by, bz = cute.arch.block_idx()
+            if warp_idx == self.producer_warp:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            x_stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(x_smem, (None, None, 0)))
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=cfg.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),
+                tx_count=self.wgs * TILE_BYTES + x_stage_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
+            wbuf = storage.wbuf.data_ptr()
+
+            k_tiles = k // BK
+            kt_begin = bz * k_tiles // splits
+            kt_end = (bz + 1) * k_tiles // splits
+            pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if warp_idx == self.producer_warp:
+                gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
+                tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
+                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+                wbuf_addr = wbuf.toint()
+                for kt in cutlass.range(kt_begin, kt_end, unroll=1):
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    with cute.arch.elect_one():
+                        for wg in cutlass.range_constexpr(self.wgs):
+                            src = tiles_ptr + Int64((bx * self.wgs + wg) * k_tiles + kt) * TILE_BYTES
+                            dst = wbuf_addr + (state.index * self.wgs + wg) * TILE_BYTES
+                            bulk_g2s(dst, src, TILE_BYTES, bar.toint())
+                    cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(state)
+                    state.advance()
+                pipe.producer_tail(state)
+            if warp_idx < self.producer_warp:
+                self.consumer(pipe, tiled_mma, sX, wbuf, storage, tidx, warp_idx // 4, bx, by, bz,
+                              kt_begin, kt_end, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
+                              m, n_out, n_rows, splits)
+
+        @cute.jit
+        def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, kt_begin, kt_end,
+                     mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, splits):
+            cfg = self.cfg
+            ct = tidx % 128
+            rb = bx * self.wgs + wg  # 64-row block of the weight
+            thr_mma = tiled_mma.get_slice(ct)
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, BK)))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.bn)), Float32)
+            frag = cute.recast_tensor(tCrA, Uint32)
+            # this warpgroup's tiles in smem, as 32-bit words: codes (4, 2, 128, stage), scales (4, 32, stage)
+            words = cute.recast_ptr(wbuf, dtype=Uint32)
+            tile_words = TILE_BYTES // 4
+            stage_words = self.wgs * tile_words
+            sCode = cute.make_tensor(words + wg * tile_words,
+                                     cute.make_layout((4, 2, 128, cfg.stages), stride=(1, 512, 4, stage_words)))
+            sScale = cute.make_tensor(words + wg * tile_words + CODE_BYTES // 4,
+                                      cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
+            rc = cute.make_rmem_tensor((4, 2), Uint32)
+            rs = cute.make_rmem_tensor((4,), Uint32)
+            krows = Uint32(0)
+            if cutlass.const_expr(self.w4a8):
+                r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
+                c0 = Int32(W8_EXP_BIAS) - mExp[r0]
+                c1 = Int32(W8_EXP_BIAS) - mExp[r0 + 8]
+                krows = (Uint32(c0) << 10) | (Uint32(c1) << 26)
+
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+
+            # No dynamic branch may sit between WGMMAs (ptxas would serialize them), hence the first
+            # stage, which has no previous stage to release, is peeled.
+            ops = (pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct)
+            if kt_end > kt_begin:
+                state, release = self.k_tile(*ops, state, release, False)
+                for _kt in cutlass.range(kt_begin + 1, kt_end, unroll=1):
+                    state, release = self.k_tile(*ops, state, release, True)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(release)
+
+            self.epilogue(acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias, mRes,
+                          ws_ptr, cnt_ptr, m, n_out, n_rows, splits)
+
+        @cute.jit
+        def k_tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct, state, release,
+                   release_previous: cutlass.Constexpr[bool]):
+            """Decode and multiply one pipeline stage (BK of K); returns the advanced states."""
+            pipe.consumer_wait(state)
+            stage = state.index
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(sCode[None, h, ct, stage], rc[None, h])
+            cute.autovec_copy(sScale[None, ct // 4, stage], rs)
+            for b in cutlass.range_constexpr(self.mma_k):
+                # the registers of k-block b were last read by the WGMMA mma_k groups back
+                warpgroup.wait_group(self.mma_k - 1)
+                if cutlass.const_expr(release_previous and b == self.mma_k - 1):
+                    pipe.consumer_release(release)  # every WGMMA of the previous stage has retired
+                    release.advance()
+                if cutlass.const_expr(self.w4a8):
+                    self.decode_w4a8(frag, rc, rs, krows, b)
+                else:
+                    self.decode_w4a16(frag, rc, rs, b)
+                warpgroup.fence()
+                cute.gemm(tiled_mma, acc, tCrA[None, None, b], tCrB[None, None, b, stage], acc)
+                warpgroup.commit_group()
+            state.advance()
+            return state, release
+
+        @cute.jit
+        def decode_w4a16(self, frag, rc, rs, b: cutlass.Constexpr[int]):
+            """k16 block ``b``: 8 codes -> 4 bf16x2 registers (e2m1 * s_b * 2^-7, exact)."""
+            q = rc[b % 4, b // 4]
+            e = (rs[b // 2] >> (8 * (b % 2))) & Uint32(0x00FF00FF)
+            sc = e * Uint32(16) + Uint32((W16_EXP_BIAS << 7) * 0x10001)  # bf16x2 (s_b(r), s_b(r+8)) * 2^119
+            for j in cutlass.range_constexpr(4):
+                mag = rotl(q, MAG_ROT[j]) & Uint32(0x01C001C0)
+                sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
+                frag[(0, j % 2, j // 2), 0, b] = mul_x2_bcast(mag | sign, sc, j % 2 == 1, False)
+
+        @cute.jit
+        def decode_w4a8(self, frag, rc, rs, krows, i: cutlass.Constexpr[int]):
+            """k32 block ``i`` (16-K words 2i, 2i+1): 16 codes -> 4 E4M3x4 registers."""
+            for half in cutlass.range_constexpr(2):
+                b = 2 * i + half
+                q = rc[b % 4, b // 4]
+                e = (rs[i] >> (8 * half)) & Uint32(0x00FF00FF)
+                sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(14 - c)
+                p = []
+                for j in cutlass.range_constexpr(4):
+                    # f16 wants the magnitude 3 bits higher than bf16: bits 9-11 / 25-27
+                    mag = rotl(q, (MAG_ROT[j] + 3) % 32) & Uint32(0x0E000E00)
+                    sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
+                    p.append(mul_x2_bcast(mag | sign, sc, j % 2 == 1, True))
+                frag[(0, 0, half), 0, i] = f16x2x2_to_e4m3x4(p[0], p[2])  # row r: k, k+1, k+8, k+9
+                frag[(0, 1, half), 0, i] = f16x2x2_to_e4m3x4(p[1], p[3])  # row r+8
+
+        @cute.jit
+        def epilogue(self, acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias,
+                     mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, splits):
+            cfg = self.cfg
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.wgs)
+            flag = storage.flag.get_tensor(cute.make_layout(4))
+            tid_c = wg * 128 + ct  # thread index among the CTA's consumers
+            is_last = Int32(1)
+            if splits > 1:
+                grid_x, grid_y, _ = cute.arch.grid_dim()
+                tile = by * grid_x + bx
+                row_len = 128 * self.wgs * self.acc_n  # partial floats per tile
+                split_stride = grid_x * grid_y * row_len
+                mine = ws_ptr + Int64(tile * row_len + tid_c * self.acc_n) * 4
+                part = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=16),
+                                        cute.make_layout((self.acc_n, splits), stride=(1, split_stride)))
+                acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n))
+                cute.autovec_copy(acc_flat, part[None, bz])
+                cute.arch.fence_acq_rel_gpu()
+                epi_bar.arrive_and_wait()
+                counter = cute.make_tensor(cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + tile,
+                                           cute.make_layout(1))
+                if tid_c == 0:
+                    flag[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                epi_bar.arrive_and_wait()
+                is_last = Int32(0)
+                if flag[0] == splits - 1:
+                    is_last = Int32(1)
+                if is_last != 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    total = cute.make_rmem_tensor(self.acc_n, Float32)
+                    total.fill(0.0)
+                    other = cute.make_rmem_tensor(self.acc_n, Float32)
+                    for j in cutlass.range(splits, unroll=1):  # fixed order: deterministic
+                        if j == bz:
+                            for v in cutlass.range_constexpr(self.acc_n):
+                                total[v] = total[v] + acc_flat[v]
+                        else:
+                            cute.autovec_copy(part[None, j], other)
+                            for v in cutlass.range_constexpr(self.acc_n):
+                                total[v] = total[v] + other[v]
+                    for v in cutlass.range_constexpr(self.acc_n):
+                        acc_flat[v] = total[v]
+                    if tid_c == 0:
+                        counter[0] = Int32(0)  # ready for the next launch
+            if is_last != 0:
+                self.store(acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
+                           m, n_out, n_rows)
+
+        @cute.jit
+        def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
+                  m, n_out, n_rows):
+            """alpha, bias, activation, residual on the FP32 tile, then bf16 stores."""
+            cfg = self.cfg
+            coord = thr_mma.partition_C(cute.make_identity_tensor((ROWS, cfg.bn)))
+            row0 = rb * ROWS
+            tok0 = by * cfg.bn
+            gs = mGs[0]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                rr, cc = coord[i]
+                mm = tok0 + cc
+                alpha = gs * 128.0  # W4A16: the decode's 2^-7
+                if cutlass.const_expr(self.w4a8):
+                    c_row = mExp[row0 + rr]
+                    xs = Float32(0.0)
+                    if mm < m:
+                        xs = mXs[mm]
+                    alpha = gs * xs * pow2(c_row)
+                v = acc[i] * alpha
+                if cutlass.const_expr(self.epi.bias):
+                    if row0 + rr < n_rows:
+                        v = v + mBias[row0 + rr].to(Float32)
+                acc[i] = self.activate(v)
+            out = acc
+            n_base = row0
+            active = True
+            if cutlass.const_expr(self.swiglu):
+                xchg = storage.xchg.get_tensor(cute.make_layout((self.acc_n, 128), stride=(1, self.acc_n)))
+                if wg == 1:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        xchg[i, ct] = acc[i]
+                epi_bar.arrive_and_wait()
+                if wg == 0:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        g = acc[i]
+                        acc[i] = g / (1.0 + cute.math.exp(-g)) * xchg[i, ct]
+                n_base = bx * SWIGLU_GROUP
+                active = wg == 0
+            if active:
+                for i in cutlass.range_constexpr(cute.size(out)):
+                    rr, cc = coord[i]
+                    mm = tok0 + cc
+                    nn = n_base + rr
+                    if mm < m and nn < n_out:
+                        v = out[i]
+                        if cutlass.const_expr(self.epi.residual):
+                            v = v + mRes[mm, nn].to(Float32)
+                        mOut[mm, nn] = v.to(cutlass.BFloat16)
+
+        @cute.jit
+        def activate(self, x):
+            act = self.epi.activation
+            y = x
+            if cutlass.const_expr(act == "relu"):
+                y = cute.arch.fmax(x, Float32(0.0))
+            if cutlass.const_expr(act == "silu"):
+                y = x / (1.0 + cute.math.exp(-x))
+            if cutlass.const_expr(act == "gelu_tanh"):
+                y = x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
+            return y
+
+    return Nvfp4GemmSm90
+
+
+_KERNEL_CLASS = None
+_class_lock = threading.Lock()
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    with _class_lock:
+        if _KERNEL_CLASS is None:
+            _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: bool = False,
+                 arch: str | None = None, options: str = ""):
+    """The compiled kernel for one (config, epilogue, mode, bias dtype), through :mod:`..cache`.
+
+    The executor takes data pointers ``(x, tiles, row_exp, x_scale, tensor_scale, out, bias,
+    residual, workspace, counters)`` (0 when unused), then ``M, N_pad, N_out, K, splits`` and a
+    ``cuda.CUstream``; ``M`` and ``splits`` are runtime values."""
+    from quantkit.kernels.cache import compile_kernel, pin_arch
+
+    arch = pin_arch(arch)
+    from cutlass.cute.runtime import make_fake_stream
+
+    kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32)
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config.bn, config.warpgroups, config.stages, epilogue,
+           bias_fp32)  # splits is a runtime argument
+    return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
+                          BK, 1, make_fake_stream(), arch=arch, options=options)
+
+
+# ---------------------------------------------------------------------------------------- host
+W4A8_MIN_M = 1024  # measured W4A16/W4A8 crossover (benchmarks/notes/nvfp4.md)
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_COUNTERS = 1 << 16
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """Per-device split-K tile counters; zero between launches (each kernel resets its own).
+    Launches sharing a device must be stream-ordered (one stream, or a CUDA graph)."""
+    buf = _counters.get(device)
+    if buf is None:
+        buf = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _launch(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
+            config: Config | None, out: torch.Tensor | None) -> torch.Tensor:
+    import cuda.bindings.driver as cuda
+
+    m, k = x_arg.shape
+    n_pad = w.row_exp.shape[0]
+    n_out = w.n // 2 if epilogue.activation == "swiglu" else w.n
+    if epilogue.activation == "swiglu" and w.n % (2 * SWIGLU_GROUP):
+        raise ValueError(f"swiglu needs N' divisible by {2 * SWIGLU_GROUP}, got {w.n}")
+    if out is None:
+        out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x_arg.device)
+    elif out.shape != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 [{m}, {n_out}] tensor")
+    if m == 0:
+        return out
+    if epilogue.bias and (bias is None or tuple(bias.shape) != (w.n,)):
+        raise ValueError(f"epilogue has bias: expected bias[{w.n}]")
+    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
+        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
+    num_sms = torch.cuda.get_device_properties(x_arg.device).multi_processor_count
+    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
+    bias_fp32 = bias is not None and bias.dtype == torch.float32
+    if bias is not None and not bias_fp32:
+        bias = bias.to(torch.bfloat16).contiguous()
+    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    ws = counters = None
+    if config.splits > 1:
+        tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
+        if tiles > _COUNTERS:
+            raise ValueError(f"{tiles} split-K tiles exceed the counter buffer ({_COUNTERS})")
+        ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,
+                         device=x_arg.device)
+        counters = _counter_buffer(x_arg.device)
+    fn = compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    stream = cuda.CUstream(torch.cuda.current_stream(x_arg.device).cuda_stream)
+    fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
+       ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, config.splits, stream)
+    return out
+
+
+def nvfp4_w4a16(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
+                config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``epilogue(x @ dequant(w).T)``: bf16 ``x [M, K]``, a :func:`prepare`-d NVFP4 weight
+    ``[N', K]``, optional ``bias [N']`` (bf16/FP32) and bf16 ``residual [M, N]``; returns bf16
+    ``[M, N]`` (``N = N'/2`` for swiglu). ``config`` overrides :func:`pick_config`."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    return _launch(x.contiguous(), w, epilogue, False, None, bias, residual, config, out)
+
+
+def nvfp4_w4a8(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
+               config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Like :func:`nvfp4_w4a16` with ``x`` quantized per token to FP8 and the weight rounded to
+    E4M3 as :mod:`quantkit.formats.w4a8` documents (its ``accumulate`` is the reference)."""
+    from quantkit.formats.w4a8 import quantize_activation
+
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    xq, xs = quantize_activation(x[:, w4a8_k_permutation(w.k, x.device)])
+    return _launch(xq.contiguous(), w, epilogue, True, xs.contiguous(), bias, residual, config, out)
+
+
+def nvfp4_gemm(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None,
+               residual=None) -> torch.Tensor:
+    """W4A16 below :data:`W4A8_MIN_M` tokens, W4A8 from there (the measured crossover)."""
+    fn = nvfp4_w4a8 if x.shape[0] >= W4A8_MIN_M else nvfp4_w4a16
+    return fn(x, w, epilogue, bias, residual)
+
+
+# ---------------------------------------------------------------------------------------- ops
+def _weight(tiles, row_exp, tensor_scale, n: int) -> Nvfp4Sm90Weight:
+    return Nvfp4Sm90Weight(tiles, row_exp, tensor_scale, n, tiles.shape[1] * BK)
+
+
+def _out_shape(x: torch.Tensor, n: int, activation: str) -> tuple[int, int]:
+    return x.shape[0], n // 2 if activation == "swiglu" else n
+
+
+@torch.library.custom_op("quantkit::nvfp4_w4a16", mutates_args=())
+def nvfp4_w4a16_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
+                   n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   activation: str = "identity") -> torch.Tensor:
+    """``torch.library`` op around :func:`nvfp4_w4a16` on a prepared weight's tensors (``n``: N')."""
+    epi = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
+    return nvfp4_w4a16(x, _weight(tiles, row_exp, tensor_scale, n), epi, bias, residual)
+
+
+@nvfp4_w4a16_op.register_fake
+def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
+    return x.new_empty(_out_shape(x, n, activation), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("quantkit::nvfp4_w4a8", mutates_args=())
+def nvfp4_w4a8_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
+                  n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                  activation: str = "identity") -> torch.Tensor:
+    """``torch.library`` op around :func:`nvfp4_w4a8` on a prepared weight's tensors (``n``: N')."""
+    epi = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
+    return nvfp4_w4a8(x, _weight(tiles, row_exp, tensor_scale, n), epi, bias, residual)
+
+
+@nvfp4_w4a8_op.register_fake
+def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
+    return x.new_empty(_out_shape(x, n, activation), dtype=torch.bfloat16)

@@ -1,0 +1,344 @@
+"""sm90 NVFP4 W4A16 / W4A8 GEMMs: layout, decode and numerics on CPU; compile-only PTX checks;
+numerics against float64 on GPU (``-m gpu``).
+
+The CPU decode tests replay, bit for bit, the integer and bf16/f16 operations the kernels apply
+to each thread's registers (rotations, masks, scale-byte arithmetic, the lane-broadcast multiply)
+on the prepared bytes, and place every result at the (row, k) that the PTX ISA's WGMMA register
+fragment layout assigns to that thread and register; that must reproduce ``e2m1 · s_b · 2^-7``
+(W4A16) and :func:`quantkit.formats.w4a8.weight_to_fp8` (W4A8) exactly.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quantkit.formats import get_format
+from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
+from quantkit.formats import w4a8
+from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up
+from quantkit.kernels.sm90 import nvfp4_gemm as ng
+
+# Non-negative E4M3 values in increasing order; the index parity is the mantissa parity.
+E4M3_GRID = torch.tensor([2.0 ** -9 * m for m in range(8)]
+                         + [2.0 ** (e - 7) * (1 + m / 8) for e in range(1, 16) for m in range(8)][:-1], dtype=torch.float64)
+
+
+def e4m3_round_f64(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E4M3 value of float64 ``v`` (ties to even mantissa), saturating at 448."""
+    a = v.abs().clamp(max=448.0)
+    idx = torch.searchsorted(E4M3_GRID, a).clamp(1, len(E4M3_GRID) - 1)
+    lo, hi = E4M3_GRID[idx - 1], E4M3_GRID[idx]
+    take_hi = ((hi - a) < (a - lo)) | (((hi - a) == (a - lo)) & (idx % 2 == 0))
+    return torch.where(take_hi, hi, lo) * torch.where(v < 0, -1.0, 1.0).double()
+
+
+def random_nvfp4(n: int, k: int, seed: int = 0, special: bool = True):
+    """Packed codes (every code value), E4M3 block scales (incl. subnormal; zero blocks when
+    ``special``) and an FP32 tensor scale."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale_bits = torch.randint(1, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)  # finite, > 0
+    if special:
+        scale_bits[0, :3] = torch.tensor([0, 1, 7], dtype=torch.uint8)  # zero and two subnormals
+    tensor_scale = torch.tensor(0.37, dtype=torch.float32)
+    return packed, scale_bits.view(torch.float8_e4m3fn), tensor_scale
+
+
+def dequant_f64(packed, scale):
+    """``e2m1 · s_b`` in float64, ``[N, K]``."""
+    n = packed.shape[0]
+    vals = e2m1_decode(unpack_nibbles(packed)).double().reshape(n, -1, 16)
+    return (vals * scale.double()[..., None]).reshape(n, -1)
+
+
+# ----------------------------------------------------------------------------- layout
+def test_prepare_round_trips_codes_and_scales():
+    packed, scale, ts = random_nvfp4(200, 384, special=False)
+    w = ng.prepare(packed, scale, ts)
+    assert w.tiles.shape == (256 // 64, 384 // 128, ng.TILE_BYTES) and w.row_exp.shape == (256,)
+    back_packed, back_scale = ng.unprepare(w)
+    assert torch.equal(back_packed, packed)
+    assert torch.equal(back_scale, scale.float())
+
+
+def test_prepare_zeroes_codes_of_zero_scale_blocks():
+    packed, scale, ts = random_nvfp4(64, 128)
+    back_packed, back_scale = ng.unprepare(ng.prepare(packed, scale, ts))
+    assert torch.equal(dequant_f64(back_packed, back_scale), dequant_f64(packed, scale))
+    assert (unpack_nibbles(back_packed)[0, :16] == 0).all() and (unpack_nibbles(packed)[0, :16] != 0).any()
+
+
+def test_decode_bit_layout_is_a_bijection():
+    assert sorted(b for v in ng.SOURCE_BITS for b in v) == list(range(32))
+
+
+def test_scale_bytes_encode_every_e4m3_scale_exactly():
+    allv = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 0 .. 448
+    t = ng.encode_scales(allv).to(torch.int64)
+    assert torch.equal(ng.decode_scales(t), allv.float())
+    assert int(t.max()) <= 151  # (t << 4) + (236 << 7) stays a finite bf16, (t << 7) + ... an f16
+    s = allv.double()
+    nz = s > 0
+    bf16 = (((t << 4) + (ng.W16_EXP_BIAS << 7)) << 16).to(torch.int32).view(torch.float32).double()
+    assert torch.equal(bf16[nz], s[nz] * 2.0 ** 119)
+    for c in (-9, 0, 3, 8):
+        f16 = ((t << 7) + ((ng.W8_EXP_BIAS - c) << 10)).to(torch.int16).view(torch.float16).double()
+        keep = nz & (s < 2.0 ** (c + 1))  # scales a row with exponent c can hold
+        assert torch.equal(f16[keep], s[keep] * 2.0 ** (14 - c))
+
+
+# ----------------------------------------------------------------------------- register replay
+def _rotl(q: torch.Tensor, r: int) -> torch.Tensor:
+    return ((q << r) | (q >> (32 - r))) & 0xFFFFFFFF if r else q
+
+
+def _lanes(word: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) 16-bit halves of 32-bit words as float64 values of ``dtype`` (bf16 / f16)."""
+    def half(bits):
+        if dtype is torch.bfloat16:
+            return (bits << 16).to(torch.int32).view(torch.float32).double()
+        return bits.to(torch.int16).view(torch.float16).double()
+    return half(word & 0xFFFF), half(word >> 16)
+
+
+def _registers(w):
+    """Per tile: code words ``[nb, kt, b(8), t(128)]`` and scale words ``[nb, kt, quad(32), 4]``."""
+    nb, kt, _ = w.tiles.shape
+    raw = w.tiles.to(torch.int64)
+    shifts = torch.arange(0, 32, 8)
+    code = (raw[..., :ng.CODE_BYTES].view(nb, kt, -1, 4) << shifts).sum(-1)
+    code = code.view(nb, kt, 2, 128, 4).permute(0, 1, 2, 4, 3).reshape(nb, kt, 8, 128)
+    scale = (raw[..., ng.CODE_BYTES:].view(nb, kt, 32, 4, 4) << shifts).sum(-1)
+    return code, scale
+
+
+def _fragment_position(t: torch.Tensor, b: int, j: int, hi: int):
+    """(row, k) in a 64x128 tile of lane ``hi`` of bf16x2 register ``j`` (a0..a3) of thread ``t``
+    in k16 block ``b`` (PTX ISA, wgmma .m64nNk16 register fragment A)."""
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * (j % 2)
+    k = 16 * b + 2 * (t % 4) + 8 * (j // 2) + hi
+    return row, k
+
+
+def replay_w4a16(w) -> torch.Tensor:
+    """float64 ``[N_pad, K]``: what the W4A16 decode puts in each fragment register lane."""
+    code, scale = _registers(w)
+    nb, kt = code.shape[:2]
+    out = torch.full((nb, kt, 64, 128), float("nan"), dtype=torch.float64)
+    t = torch.arange(128)
+    for b in range(8):
+        q = code[:, :, b]  # [nb, kt, 128]
+        e = (scale[:, :, t // 4, b // 2] >> (8 * (b % 2))) & 0x00FF00FF
+        sc_lo, sc_hi = _lanes((e * 16 + (ng.W16_EXP_BIAS << 7) * 0x10001) & 0xFFFFFFFF, torch.bfloat16)
+        for j in range(4):
+            x = (_rotl(q, ng.MAG_ROT[j]) & 0x01C001C0) | (_rotl(q, ng.SIGN_ROT[j]) & 0x80008000)
+            s = sc_hi if j % 2 else sc_lo
+            for hi, v in enumerate(_lanes(x, torch.bfloat16)):
+                row, k = _fragment_position(t, b, j, hi)
+                out[:, :, row, k] = v * s  # exact: <= 6 significant bits
+    return out.permute(0, 2, 1, 3).reshape(nb * 64, kt * 128)
+
+
+def replay_w4a8(w) -> torch.Tensor:
+    """float64 ``[N_pad, K]``: the E4M3 value the W4A8 decode produces for each weight, at its
+    column in the original K order."""
+    code, scale = _registers(w)
+    nb, kt = code.shape[:2]
+    out = torch.full((nb, kt, 64, 128), float("nan"), dtype=torch.float64)
+    t = torch.arange(128)
+    rows = torch.arange(nb)[:, None] * 64 + 16 * (t // 32) + (t % 32) // 4  # [nb, 128]
+    c0, c1 = w.row_exp[rows].to(torch.int64), w.row_exp[rows + 8].to(torch.int64)
+    krows = (((ng.W8_EXP_BIAS - c0) << 10) | ((ng.W8_EXP_BIAS - c1) << 26))[:, None, :]
+    for b in range(8):
+        q = code[:, :, b]
+        e = (scale[:, :, t // 4, b // 2] >> (8 * (b % 2))) & 0x00FF00FF
+        sc_lo, sc_hi = _lanes((e * 128 + krows) & 0xFFFFFFFF, torch.float16)
+        for j in range(4):
+            x = (_rotl(q, (ng.MAG_ROT[j] + 3) % 32) & 0x0E000E00) | (_rotl(q, ng.SIGN_ROT[j]) & 0x80008000)
+            s = sc_hi if j % 2 else sc_lo
+            for hi, v in enumerate(_lanes(x, torch.float16)):
+                p = v * s
+                assert torch.equal(p.half().double(), p)  # the f16 multiply is exact
+                row, k = _fragment_position(t, b, j, hi)
+                out[:, :, row, k] = e4m3_round_f64(p)
+    return out.permute(0, 2, 1, 3).reshape(nb * 64, kt * 128)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_w4a16_register_decode_is_exact(seed):
+    packed, scale, ts = random_nvfp4(128, 256, seed)
+    w = ng.prepare(packed, scale, ts)
+    expect = dequant_f64(packed, scale) * 2.0 ** -7
+    expect[scale.double().repeat_interleave(16, 1) == 0] = 0.0
+    assert torch.equal(replay_w4a16(w)[:128], expect)
+
+
+def test_w4a8_register_decode_equals_reference_rounding():
+    packed, scale, ts = random_nvfp4(128, 256, seed=2)
+    w = ng.prepare(packed, scale, ts)
+    expect = w4a8.weight_to_fp8(packed, scale).double()
+    expect[scale.double().repeat_interleave(16, 1) == 0] = 0.0
+    assert torch.equal(replay_w4a8(w)[:128], expect)
+
+
+def test_w4a8_k_permutation_matches_fp8_fragment_slots():
+    perm = ng.w4a8_k_permutation(256)
+    assert torch.equal(perm.sort().values, torch.arange(256))
+    # FP8 register (row r, half h) of thread c holds bytes 4c..4c+3 (+16h) of a 32-column group;
+    # the decode fills them with bf16-layout columns 2c, 2c+1, 2c+8, 2c+9 (+16h).
+    for grp in range(8):
+        for h in range(2):
+            for c in range(4):
+                for jj in range(2):
+                    for lohi in range(2):
+                        slot = 32 * grp + 16 * h + 4 * c + 2 * jj + lohi
+                        assert perm[slot] == 32 * grp + 16 * h + 2 * c + 8 * jj + lohi
+
+
+# ----------------------------------------------------------------------------- W4A8 numerics
+def test_w4a8_weight_conversion_equals_float64_rounding():
+    packed, scale, _ = random_nvfp4(96, 256, seed=3)
+    c = w4a8.row_exponents(scale)
+    smax = scale.double().amax(1)
+    assert torch.equal(c.double(), torch.where(smax > 0, torch.floor(torch.log2(smax)), 0.0))
+    expect = e4m3_round_f64(dequant_f64(packed, scale) * 2.0 ** -c.double()[:, None])
+    assert torch.equal(w4a8.weight_to_fp8(packed, scale).double(), expect)
+
+
+def test_w4a8_weight_conversion_error_bound():
+    torch.manual_seed(4)
+    w = torch.randn(128, 512) * torch.logspace(-2, 1, 128)[:, None]
+    qw = get_format("nvfp4-w4a16").quantize_weight(w)
+    exact = dequant_f64(qw.data, qw.scale)  # e2m1 · s_b (tensor scale aside)
+    c = w4a8.row_exponents(qw.scale).double()[:, None]
+    approx = w4a8.weight_to_fp8(qw.data, qw.scale).double() * 2.0 ** c
+    bound = torch.maximum(2.0 ** -4 * exact.abs(), 2.0 ** -10 * 2.0 ** c)
+    assert ((approx - exact).abs() <= bound).all()
+    assert (approx - exact).abs().max() > 0  # the conversion does round
+
+
+def test_w4a8_accumulate_equals_float64_math():
+    torch.manual_seed(5)
+    packed, scale, ts = random_nvfp4(64, 256, seed=5, special=False)
+    x = (torch.randn(9, 256) * 3).to(torch.bfloat16)
+    x[4] = 0
+    xd = x.double()
+    amax = xd.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, (amax / 448).float().double(), torch.ones_like(amax))
+    xq = e4m3_round_f64((xd / sx).float().double())
+    c = w4a8.row_exponents(scale).double()
+    w8 = e4m3_round_f64(dequant_f64(packed, scale) * 2.0 ** -c[:, None])
+    expect = (xq @ w8.T) * sx * 2.0 ** c[None, :] * ts.double()
+    got = w4a8.accumulate(x, packed, scale, ts)
+    assert torch.allclose(got.double(), expect, rtol=2 ** -23, atol=0)
+
+
+def test_pick_config_fills_the_gpu_and_respects_swiglu():
+    cfg = ng.pick_config(1, 4096, 4096, Epilogue(), w4a8=False)
+    assert cfg.bn == 8 and (4096 // (64 * cfg.warpgroups)) * cfg.splits >= 2 * 132
+    assert ng.pick_config(1, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).warpgroups == 2
+    big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
+    assert big.bn == 128 and big.splits == 1
+    with pytest.raises(ValueError):
+        ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"))
+
+
+# ----------------------------------------------------------------------------- compile-only
+COMPILE_CASES = [  # (mode, bn, warpgroups, epilogue): every (bn, warpgroups) pick_config uses, both modes
+    ("w4a16", 8, 1, Epilogue()),
+    ("w4a16", 16, 1, Epilogue(bias=True, activation="silu", residual=True)),
+    ("w4a16", 32, 2, Epilogue(activation="gelu_tanh")),
+    ("w4a16", 64, 2, Epilogue(activation="swiglu")),
+    ("w4a16", 128, 2, Epilogue(activation="relu", residual=True)),
+    ("w4a8", 8, 2, Epilogue(bias=True)),
+    ("w4a8", 64, 2, Epilogue(activation="swiglu", residual=True)),
+    ("w4a8", 128, 2, Epilogue()),
+]
+
+
+def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
+    pytest.importorskip("cutlass")
+    cases = [(m, bn, wg, e.bias, e.activation, e.residual) for m, bn, wg, e in COMPILE_CASES]
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from quantkit.kernels.epilogue import Epilogue
+        from quantkit.kernels.sm90 import nvfp4_gemm as ng
+        for i, (mode, bn, wg, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+            d = os.path.join({str(tmp_path)!r}, str(i))
+            os.makedirs(d)
+            cfg = ng.Config(bn, wg, 4, 1)
+            ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
+                            arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+    """)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i, (mode, bn, *_rest) in enumerate(COMPILE_CASES):
+        ptx = "".join(open(os.path.join(tmp_path, str(i), f)).read() for f in os.listdir(tmp_path / str(i))
+                      if f.endswith(".ptx"))
+        assert ".target sm_90a" in ptx
+        kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in ptx
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+
+
+# ----------------------------------------------------------------------------- GPU
+def _epilogue_f64(acc, epi: Epilogue, bias, residual):
+    y = acc
+    if epi.bias:
+        y = y + bias.double()
+    y = apply_activation(y, epi.activation)
+    if epi.residual:
+        y = y + residual.double()
+    return y
+
+
+def _gpu_case(m, n, k, epi, seed, mode):
+    torch.manual_seed(seed)
+    dev = "cuda"
+    w = torch.randn(n, k, device=dev) * 0.05
+    if epi.activation == "swiglu":
+        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    qw = get_format("nvfp4-w4a16").quantize_weight(w)
+    prep = ng.prepare(qw.data, qw.scale, qw.tensor_scale)
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    bias = torch.randn(n, device=dev).to(torch.bfloat16) if epi.bias else None
+    res = torch.randn(m, n_out, device=dev).to(torch.bfloat16) if epi.residual else None
+    out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device=dev)
+    fn = ng.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
+    fn(x, prep, epi, bias, res, out=out)
+    if mode == "w4a8":
+        acc = w4a8.accumulate(x.cpu(), qw.data.cpu(), qw.scale.cpu(), qw.tensor_scale.cpu()).double().to(dev)
+    else:
+        acc = x.double() @ (dequant_f64(qw.data.cpu(), qw.scale.cpu()).to(dev) * qw.tensor_scale.double()).T
+    ref = _epilogue_f64(acc, epi, bias, res)
+    return out, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 257, 4096])
+def test_gpu_matches_float64_reference(mode, m):
+    out, ref = _gpu_case(m, 1000, 2048, Epilogue(), seed=m, mode=mode)
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 4e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("epi", [Epilogue(bias=True, activation="silu", residual=True),
+                                 Epilogue(activation="gelu_tanh"), Epilogue(activation="swiglu", bias=True)])
+def test_gpu_epilogues(mode, epi):
+    out, ref = _gpu_case(37, 1024, 1536, epi, seed=7, mode=mode)
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 4e-3, err
