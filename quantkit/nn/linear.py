@@ -75,9 +75,19 @@ class QuantLinear(nn.Module):
         return QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
                                (self.out_features, self.in_features))
 
+    _QUANTIZED = ("weight", "weight_scale", "weight_tensor_scale", "input_scale")
+
     def _apply(self, fn, recurse=True):
-        self._dequantized = None  # device/dtype moves invalidate the reference cache
-        return super()._apply(fn, recurse)
+        """Device moves apply to every tensor; dtype casts (``model.to(torch.bfloat16)``) only to
+        the bias: the quantized buffers keep their storage dtypes."""
+        self._dequantized = None
+        held = {n: self._buffers.pop(n) for n in self._QUANTIZED if self._buffers.get(n) is not None}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, t in held.items():
+                self._buffers[name] = t.to(fn(torch.empty(0, device=t.device)).device)
+        return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._dequantized = None
