@@ -40,7 +40,12 @@ class QuantLinear(nn.Module):
             self.input_scale = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.epilogue = Epilogue(bias=bias)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the caches derived from the buffers (after loads and moves)."""
         self._dequantized: torch.Tensor | None = None
+        self._qweight: QuantizedWeight | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str | Format = "nvfp4", *, qweight: QuantizedWeight | None = None,
@@ -67,20 +72,22 @@ class QuantLinear(nn.Module):
             self.weight_tensor_scale.copy_(qweight.tensor_scale)
         if input_scale is not None:
             self.input_scale.copy_(input_scale)
-        self._dequantized = None
+        self._forget()
 
     @property
     def qweight(self) -> QuantizedWeight:
-        """The weight as a :class:`QuantizedWeight` (views of the buffers)."""
-        return QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
-                               (self.out_features, self.in_features))
+        """The weight as a :class:`QuantizedWeight` over the buffers (kept, with its kernel layouts)."""
+        if self._qweight is None:
+            self._qweight = QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
+                                            (self.out_features, self.in_features))
+        return self._qweight
 
     _QUANTIZED = ("weight", "weight_scale", "weight_tensor_scale", "input_scale")
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to every tensor; dtype casts (``model.to(torch.bfloat16)``) only to
         the bias: the quantized buffers keep their storage dtypes."""
-        self._dequantized = None
+        self._forget()
         held = {n: self._buffers.pop(n) for n in self._QUANTIZED if self._buffers.get(n) is not None}
         try:
             super()._apply(fn, recurse)
@@ -90,7 +97,7 @@ class QuantLinear(nn.Module):
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._dequantized = None
+        self._forget()
         return super()._load_from_state_dict(*args, **kwargs)
 
     def dequantized_weight(self) -> torch.Tensor:

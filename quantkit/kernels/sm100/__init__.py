@@ -223,3 +223,6 @@ def _(x_q, x_scale, w_q, w_scale, alpha, bias, residual, requant_scale, fmt, act
 
 __all__ = ["FORMATS", "blockscaled_gemm", "compile_variant", "default_tile", "sm100_blockscaled_gemm",
            "sm100_blockscaled_gemm_requant", "swizzled_numel"]
+
+
+from quantkit.kernels.sm100 import backend as _backend  # noqa: E402,F401  (registers the dispatcher backend)

@@ -1,0 +1,53 @@
+"""Dispatcher adapter for the Blackwell block-scaled GEMM: bf16 activations and a
+:class:`QuantizedWeight` in, the kernel's operands out (quantized activations and 128×4-swizzled
+scales, produced by :mod:`quantkit.formats`), then the kernel."""
+from __future__ import annotations
+
+import torch
+
+from quantkit.formats import QuantizedWeight, layouts, mx, nvfp4
+from quantkit.formats.codecs import pack_nibbles
+from quantkit.kernels import Backend, register_backend
+from quantkit.kernels.epilogue import Epilogue
+from quantkit.kernels.sm100 import FORMATS, K_MULTIPLE, sm100_blockscaled_gemm
+
+_MXFP8 = mx.MXElement(8)
+
+
+def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: torch.Tensor | None = None):
+    """``(x_q, x_scale, w_q, w_scale, alpha)`` for :func:`quantkit.kernels.sm100.blockscaled_gemm`
+    from ``x [M, K]`` and ``qweight``: activations quantized as the format's reference does, scales
+    swizzled (the weight's cached in ``qweight.layouts``), ``alpha`` the product of NVFP4 tensor
+    scales (``None`` for MXFP8)."""
+    if "sm100" not in qweight.layouts:
+        qweight.layouts["sm100"] = layouts.to_blocked(qweight.scale)
+    w_scale = qweight.layouts["sm100"]
+    if qweight.format == "nvfp4":
+        ts = nvfp4.tensor_scale_from_amax(x.float().abs().amax()) if input_scale is None else input_scale.float()
+        scale = nvfp4.block_scales(x, ts)
+        x_q = pack_nibbles(nvfp4.quantize_values(x, scale, ts))
+        alpha = (ts * qweight.tensor_scale).reshape(1)
+    else:
+        scale = _MXFP8.scales(x)
+        x_q, alpha = _MXFP8.encode(x, scale), None
+    return x_q, layouts.to_blocked(scale), qweight.data, w_scale, alpha
+
+
+def supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
+    """Formats nvfp4 / mxfp8, bf16 input, K a multiple of 128, N of 128, bf16 output."""
+    n, k = qweight.shape
+    return (qweight.format in FORMATS and x.dtype == torch.bfloat16 and k % K_MULTIPLE == 0 and n % 128 == 0
+            and epilogue.requant is None)
+
+
+def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None, input_scale=None):
+    """``x [..., K]`` bf16 -> bf16 ``[..., N]`` through the sm_100 kernel."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale, w_q, w_scale, alpha = prepare_operands(x.reshape(-1, k), qweight, input_scale)
+    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    out = sm100_blockscaled_gemm(x_q, x_scale, w_q, w_scale, alpha, bias if epilogue.bias else None, res,
+                                 qweight.format, epilogue.activation)
+    return out.reshape(*lead, out.shape[-1])
+
+
+register_backend(Backend("sm100-blockscaled", (10,), supports, run))
