@@ -88,6 +88,9 @@ def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[
             skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {fmt.k_multiple}"))
         else:
             chosen[name] = module
+    for name, param in model.named_parameters():
+        if param.dim() == 3:  # fused MoE experts [E, N, K]: no nn.Linear, no QuantLinear yet
+            skipped.append(LayerResult(name, tuple(param.shape), "fused expert weights (not nn.Linear): left unquantized"))
     return chosen, skipped
 
 
