@@ -1,0 +1,250 @@
+"""save / load / describe: a quantized Hugging Face model to and from a checkpoint directory vLLM loads."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from quantkit.export import compressed_tensors, modelopt
+from quantkit.export.io import (
+    CONFIG,
+    MAX_SHARD_BYTES,
+    CheckpointError,
+    CheckpointTensors,
+    atomic_directory,
+    read_json,
+    write_json,
+    write_safetensors,
+)
+from quantkit.export.layout import Scheme, TensorSpec, export_layer, import_layer
+from quantkit.formats import QuantizedWeight
+from quantkit.nn import QuantLinear
+
+FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
+
+
+def _flavour(export: str) -> ModuleType:
+    try:
+        return FLAVOURS[export]
+    except KeyError:
+        raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}") from None
+
+
+def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compressed-tensors", tokenizer=None,
+         max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the quantized Hugging Face ``model`` to ``out_dir`` as a checkpoint vLLM loads.
+
+    ``export``: ``"compressed-tensors"`` (llm-compressor's layout) or ``"modelopt"`` (NVIDIA
+    ModelOpt's). Writes ``config.json`` (the model's config plus ``quantization_config``),
+    safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
+    the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. Every
+    :class:`~quantkit.nn.QuantLinear` must share one format; the model's other ``nn.Linear`` layers
+    are listed as ignored. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
+    Raises ``ValueError`` for a model without QuantLinear layers, a format the flavour lacks, or a
+    static-activation format (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
+    """
+    flavour = _flavour(export)
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        raise ValueError("save needs a Hugging Face model (one with a .config)")
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not layers:
+        raise ValueError("the model has no QuantLinear layers: quantize it first (quantkit.quantize or quantize_model)")
+    formats = sorted({m.format for m in layers.values()})
+    if len(formats) > 1:
+        raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
+    fmt = formats[0]
+    specs = flavour.tensor_specs(fmt)
+    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    tensors = _tensors_to_write(model, layers, specs)
+    cfg = config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    cfg["quantization_config"] = flavour.quantization_config(fmt, ignore)
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    if cfg.get("tie_word_embeddings") and isinstance(output_embeddings, QuantLinear):
+        cfg["tie_word_embeddings"] = False  # a quantized lm_head no longer shares the embedding matrix
+    with atomic_directory(out_dir) as tmp:
+        write_safetensors(tensors, tmp, max_shard_bytes)
+        for name, obj in flavour.sidecar_files(fmt, ignore).items():
+            write_json(tmp / name, obj)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_json(tmp / CONFIG, cfg)  # last: a directory without config.json is never loaded
+    return Path(out_dir)
+
+
+def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint: QuantLinear layers per ``specs``, the rest as in ``state_dict``.
+    Tied tensors (the same storage, shape and offset, e.g. a tied lm_head) are written once, under
+    their first name, as Hugging Face does."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in layers.items():
+        out.update({f"{name}.{k}": v for k, v in export_layer(layer, specs, name).items()})
+        if layer.bias is not None:
+            out[f"{name}.bias"] = layer.bias.detach().cpu().contiguous()
+    seen: set[tuple] = set()
+    storages: set[int] = set()
+    for key, t in model.state_dict().items():
+        if key.rpartition(".")[0] in layers:
+            continue
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if view in seen:
+            continue
+        seen.add(view)
+        shares_storage = view[0] in storages
+        storages.add(view[0])
+        t = t.detach().cpu().contiguous()
+        out[key] = t.clone() if shares_storage else t
+    return out
+
+
+def _quantization_config(directory: Path, cfg: dict) -> tuple[ModuleType, Scheme]:
+    """The flavour and :class:`Scheme` of a checkpoint, from config.json or ModelOpt's sidecar file."""
+    where, qcfg = directory / CONFIG, cfg.get("quantization_config")
+    if qcfg is None and (directory / modelopt.SIDECAR).is_file():
+        where = directory / modelopt.SIDECAR
+        qcfg = {"quant_method": modelopt.NAME, **read_json(where)}
+    if not isinstance(qcfg, dict):
+        raise CheckpointError(f"{where}: no quantization_config object: not a quantized checkpoint")
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method == compressed_tensors.NAME:
+        flavour = compressed_tensors
+    elif method.startswith(modelopt.NAME):
+        flavour = modelopt
+    else:
+        raise CheckpointError(f"{where}: quant_method {method!r} is not one quantkit reads "
+                              f"({compressed_tensors.NAME}, {modelopt.NAME})")
+    try:
+        return flavour, flavour.read_config(qcfg)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+
+
+def _empty_model(directory: Path, cfg: dict, dtype: torch.dtype) -> nn.Module:
+    """The model config.json describes, with parameters on the meta device (buffers real)."""
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    model_type = cfg.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"{directory / CONFIG}: unknown or missing model_type {model_type!r}")
+    config = CONFIG_MAPPING[model_type].from_dict(cfg)
+    architecture = getattr(transformers, (cfg.get("architectures") or [""])[0], None)
+    with init_empty_weights():
+        if isinstance(architecture, type) and issubclass(architecture, transformers.PreTrainedModel):
+            return architecture._from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _load_layer(model: nn.Module, name: str, linear: nn.Linear, fmt: str, specs: tuple[TensorSpec, ...],
+                tensors: CheckpointTensors, dtype: torch.dtype) -> None:
+    """Replace ``linear`` (called ``name``) by a QuantLinear filled from the checkpoint."""
+    n, k = linear.out_features, linear.in_features
+    fields = import_layer(tensors, f"{name}.", specs, n, k)
+    try:
+        layer = QuantLinear(k, n, linear.bias is not None, format=fmt, static_input="input_scale" in fields, dtype=dtype)
+    except ValueError as err:
+        raise CheckpointError(f"{tensors.directory}: layer {name!r}: {err}") from None
+    tensor_scale = fields.get("weight_tensor_scale")
+    qweight = QuantizedWeight(fmt, fields["weight"].reshape(layer.weight.shape),
+                              fields["weight_scale"].reshape(layer.weight_scale.shape),
+                              None if tensor_scale is None else tensor_scale.reshape(()), (n, k))
+    input_scale = fields.get("input_scale")
+    layer.load_quantized(qweight, None if input_scale is None else input_scale.reshape(()))
+    if layer.bias is not None:
+        layer.bias.data.copy_(tensors.take(f"{name}.bias", _FLOATS, (n,)))
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _load_rest(model: nn.Module, tensors: CheckpointTensors) -> None:
+    """Load the checkpoint's remaining tensors into the model's parameters and buffers of the same name
+    (floating tensors cast to the parameter's dtype; shapes must match)."""
+    expected = model.state_dict(keep_vars=True)
+    state = {}
+    for name in tensors.untaken():
+        if name not in expected:
+            continue
+        want = expected[name]
+        dtypes = _FLOATS if want.is_floating_point() else (want.dtype,)
+        state[name] = tensors.take(name, dtypes, tuple(want.shape)).to(want.dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+
+
+def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The model saved in checkpoint directory ``path``, with :class:`~quantkit.nn.QuantLinear` layers.
+
+    Reads both export flavours of :func:`save` and, where the format matches a quantkit format,
+    checkpoints written by llm-compressor or ModelOpt. The model is built from config.json with
+    empty weights, its quantized Linear layers (per the quantization config and its ignore list)
+    are swapped for QuantLinears, every tensor is loaded with its on-disk convention undone,
+    weights are tied as the config says, and the model is returned on ``device`` in eval mode;
+    non-quantized floating tensors take ``dtype``. Raises :class:`CheckpointError` naming the file
+    and problem for a missing directory, config or weights, a corrupt safetensors file, a tensor
+    that is missing, unexpected, or of the wrong shape or dtype, or an unknown quantization format.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    cfg = read_json(directory / CONFIG)
+    flavour, scheme = _quantization_config(directory, cfg)
+    specs = flavour.tensor_specs(scheme.format)
+    tensors = CheckpointTensors(directory)
+    model = _empty_model(directory, cfg, dtype)
+    for name, module in list(model.named_modules()):
+        if scheme.selects(name, module):
+            _load_layer(model, name, module, scheme.format, specs, tensors, dtype)
+    _load_rest(model, tensors)
+    model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
+    unexpected = tensors.untaken()
+    if unexpected:
+        raise CheckpointError(f"{directory}: {len(unexpected)} unexpected tensor(s) the model has no place for "
+                              f"(or a layer the config leaves unquantized holds quantized tensors), e.g. {unexpected[:3]}")
+    if (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model.to(device).eval()
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """What checkpoint ``path`` holds, from its config and safetensors headers (no tensor is read).
+
+    Keys: ``architecture``, ``export`` (flavour), ``format`` (quantkit format), ``quantized_layers``,
+    ``ignored_layers`` (entries of the ignore list), ``files``, ``tensors``, ``tensor_bytes`` and
+    ``bytes_by_dtype`` (safetensors dtype names, e.g. ``{"U8": ..., "F8_E4M3": ..., "BF16": ...}``).
+    Raises :class:`CheckpointError` like :func:`load`."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    cfg = read_json(directory / CONFIG)
+    flavour, scheme = _quantization_config(directory, cfg)
+    tensors = CheckpointTensors(directory)
+    by_dtype = Counter()
+    for info in tensors.info.values():
+        by_dtype[info.dtype] += info.nbytes
+    return {
+        "architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
+        "export": flavour.NAME,
+        "format": scheme.format,
+        "quantized_layers": sum(name.endswith(".weight_scale") for name in tensors.info),
+        "ignored_layers": len(scheme.ignore),
+        "files": sorted({info.file for info in tensors.info.values()}),
+        "tensors": len(tensors.info),
+        "tensor_bytes": sum(by_dtype.values()),
+        "bytes_by_dtype": dict(sorted(by_dtype.items())),
+    }

@@ -1,0 +1,108 @@
+"""How a quantized Linear ``[N, K]`` is laid out on disk: one :class:`TensorSpec` per tensor.
+
+Each export flavour (:mod:`~quantkit.export.compressed_tensors`, :mod:`~quantkit.export.modelopt`)
+maps a quantkit format to a tuple of specs; :func:`export_layer` and :func:`import_layer` convert
+between a :class:`~quantkit.nn.QuantLinear`'s buffers and those tensors with the same tables.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quantkit.export.io import CheckpointError, CheckpointTensors
+
+if TYPE_CHECKING:
+    from quantkit.nn import QuantLinear
+
+Shape = Callable[[int, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What a checkpoint's quantization config says: the quantkit ``format``, the Linear layers it
+    leaves in high precision (``ignore``: names or patterns), and ``selects(name, module)``, true for
+    the modules that hold quantized weights."""
+
+    format: str
+    ignore: tuple[str, ...]
+    selects: Callable[[str, nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a quantized Linear ``[N, K]`` on disk.
+
+    ``name``: local name (``"weight_packed"``); ``field``: the QuantLinear buffer it holds
+    (``weight``, ``weight_scale``, ``weight_tensor_scale`` or ``input_scale``); ``dtype``: the dtype
+    written, ``accept``: further dtypes read (converted exactly to ``dtype``); ``shape(N, K)``;
+    ``reciprocal``: stored as ``1/value`` (compressed-tensors' global scales).
+    """
+
+    name: str
+    field: str
+    dtype: torch.dtype
+    shape: Shape
+    reciprocal: bool = False
+    accept: tuple[torch.dtype, ...] = ()
+
+
+FLOAT_SCALES = (torch.bfloat16, torch.float16)  # FP8 scales other writers store in the model dtype
+
+
+def reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """FP32 ``r ≈ 1/x`` with ``1/r == x`` exactly whenever such an FP32 ``r`` exists.
+
+    A reader of a reciprocal-convention checkpoint computes ``1/r``; choosing ``r`` among the
+    neighbours of the rounded ``1/x`` makes that give back ``x`` bit for bit. 12-16% of FP32
+    values (all with a significand above √2) are not the rounded reciprocal of any FP32 number;
+    for those ``r`` is the rounded ``1/x`` and ``1/r`` is one ulp off."""
+    x = x.float()
+    r = 1.0 / x
+    down, up = torch.nextafter(r, torch.zeros_like(r)), torch.nextafter(r, torch.full_like(r, float("inf")))
+    for candidate in (down, up):
+        r = torch.where((1.0 / r != x) & (1.0 / candidate == x), candidate, r)
+    return r
+
+
+def export_layer(layer: QuantLinear, specs: tuple[TensorSpec, ...], name: str) -> dict[str, torch.Tensor]:
+    """The on-disk tensors (local names) of QuantLinear ``layer`` called ``name``, per ``specs``.
+
+    Raises ``ValueError`` if a spec needs a buffer the layer lacks (an uncalibrated ``input_scale``)."""
+    n, k = layer.out_features, layer.in_features
+    out = {}
+    for spec in specs:
+        value = getattr(layer, spec.field, None)
+        if value is None:
+            raise ValueError(f"{name}: the checkpoint needs {spec.name!r} from the layer's {spec.field}, which "
+                             f"this {layer.format} layer does not have; vLLM needs a calibrated activation scale "
+                             f"for this format: calibrate (quantkit.quantize) before saving")
+        if value.dtype != spec.dtype:
+            raise ValueError(f"{name}.{spec.field} is {value.dtype}, expected {spec.dtype} for {layer.format}: "
+                             f"the quantized buffers were cast (model.to(dtype) casts every floating buffer)")
+        value = value.detach().cpu()
+        if spec.reciprocal:
+            value = reciprocal(value)
+        out[spec.name] = value.reshape(spec.shape(n, k)).contiguous()
+    return out
+
+
+def import_layer(tensors: CheckpointTensors, prefix: str, specs: tuple[TensorSpec, ...],
+                 n: int, k: int) -> dict[str, torch.Tensor]:
+    """QuantLinear buffers (by ``field``) of the ``[n, k]`` layer whose tensors are ``prefix + spec.name``.
+
+    Dtypes and shapes are checked against ``specs``; a mismatch or a missing tensor raises
+    :class:`CheckpointError` naming the file and tensor."""
+    out = {}
+    for spec in specs:
+        t = tensors.take(prefix + spec.name, (spec.dtype, *spec.accept), spec.shape(n, k)).to(spec.dtype)
+        if spec.reciprocal:
+            if not torch.isfinite(t).all() or (t == 0).any():
+                raise CheckpointError(f"{tensors.directory}: tensor {prefix + spec.name!r} must be finite "
+                                      f"and non-zero, got {t.tolist()}")
+            t = 1.0 / t
+        out[spec.field] = t
+    return out

@@ -1,0 +1,107 @@
+"""The NVIDIA ModelOpt flavour: ``hf_quant_config.json`` plus ``quant_method: modelopt`` in config.json.
+
+ModelOpt keeps quantkit's own (multiply) scale convention, so nothing is inverted. Tensors per
+Linear ``[N, K]`` (scalars are shape ``[]``), as vLLM's ``modelopt.py`` reads them:
+
+============  ===========================  ============================================================
+format        quant_algo                   tensors
+============  ===========================  ============================================================
+nvfp4         NVFP4                        ``weight`` u8 [N, K/2], ``weight_scale`` E4M3 [N, K/16],
+                                           ``weight_scale_2`` FP32 = s_g, ``input_scale`` FP32
+nvfp4-w4a16   W4A16_NVFP4                  as nvfp4, without ``input_scale``
+fp8           FP8                          ``weight`` E4M3 [N, K], ``weight_scale`` FP32, ``input_scale`` FP32
+fp8-dynamic   FP8_PER_CHANNEL_PER_TOKEN    ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [N]
+============  ===========================  ============================================================
+
+ModelOpt has no MX or 128×128-block-with-dynamic-activation format: those raise ``ValueError``
+on save (use the compressed-tensors flavour). ``W4A16_NVFP4`` and ``FP8_PER_CHANNEL_PER_TOKEN``
+need a recent vLLM; ``NVFP4`` and ``FP8`` load in every vLLM with ModelOpt support.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+import quantkit
+from quantkit.export.io import CheckpointError
+from quantkit.export.layout import FLOAT_SCALES, Scheme, TensorSpec
+
+NAME = "modelopt"
+SIDECAR = "hf_quant_config.json"
+GROUP_SIZE = 16
+
+_E4M3 = torch.float8_e4m3fn
+ALGOS = {"nvfp4": "NVFP4", "nvfp4-w4a16": "W4A16_NVFP4", "fp8": "FP8", "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN"}
+_FORMATS = {algo: fmt for fmt, algo in ALGOS.items()}
+
+
+def _scalar(name: str, field: str) -> TensorSpec:
+    return TensorSpec(name, field, torch.float32, lambda n, k: ())
+
+
+_NVFP4 = (TensorSpec("weight", "weight", torch.uint8, lambda n, k: (n, k // 2)),
+          TensorSpec("weight_scale", "weight_scale", _E4M3, lambda n, k: (n, k // GROUP_SIZE)),
+          _scalar("weight_scale_2", "weight_tensor_scale"))
+_FP8_WEIGHT = TensorSpec("weight", "weight", _E4M3, lambda n, k: (n, k))
+_SPECS: dict[str, tuple[TensorSpec, ...]] = {
+    "nvfp4": (*_NVFP4, _scalar("input_scale", "input_scale")),
+    "nvfp4-w4a16": _NVFP4,
+    "fp8": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.float32, lambda n, k: (), accept=FLOAT_SCALES),
+            TensorSpec("input_scale", "input_scale", torch.float32, lambda n, k: (), accept=FLOAT_SCALES)),
+    "fp8-dynamic": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.float32, lambda n, k: (n,),
+                                            accept=FLOAT_SCALES)),
+}
+
+
+def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
+    """The on-disk tensors of one Linear in ``fmt``; ``ValueError`` for formats ModelOpt lacks."""
+    if fmt not in _SPECS:
+        raise ValueError(f"ModelOpt has no {fmt} format (it has {', '.join(ALGOS)}); "
+                         f"save with export='compressed-tensors' instead")
+    return _SPECS[fmt]
+
+
+def _hf_quant_config(fmt: str, ignore: list[str]) -> dict:
+    quantization = {"quant_algo": ALGOS[fmt], "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
+    if fmt.startswith("nvfp4"):
+        quantization["group_size"] = GROUP_SIZE
+    return {"producer": {"name": "quantkit", "version": quantkit.__version__}, "quantization": quantization}
+
+
+def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    """config.json's ``quantization_config``: what ModelOpt's ``convert_hf_quant_config_format`` makes
+    of :data:`SIDECAR` (config groups for NVFP4 and FP8, ``ignore``, ``quant_algo``, ``producer``)."""
+    sidecar = _hf_quant_config(fmt, ignore)
+    out = {"ignore": list(ignore), "quant_algo": ALGOS[fmt], "producer": sidecar["producer"], "quant_method": "modelopt"}
+    if fmt in ("nvfp4", "fp8"):
+        bits, extra = (4, {"group_size": GROUP_SIZE}) if fmt == "nvfp4" else (8, {})
+        args = {"dynamic": False, "num_bits": bits, "type": "float", **extra}
+        out["config_groups"] = {"group_0": {"input_activations": args, "weights": dict(args), "targets": ["Linear"]}}
+    return out
+
+
+def sidecar_files(fmt: str, ignore: list[str]) -> dict[str, dict]:
+    """``{"hf_quant_config.json": ...}``, the file ModelOpt writes and older vLLMs read."""
+    return {SIDECAR: _hf_quant_config(fmt, ignore)}
+
+
+def read_config(qcfg: dict) -> Scheme:
+    """The :class:`Scheme` of config.json's ``quantization_config`` or
+    the ``hf_quant_config.json`` form (``{"quantization": {...}}``); :class:`CheckpointError` if unknown."""
+    nested = isinstance(qcfg.get("quantization"), dict)
+    details = qcfg["quantization"] if nested else qcfg
+    algo = str(details.get("quant_algo", "")).upper()
+    if algo not in _FORMATS:
+        raise CheckpointError(f"ModelOpt quant_algo {algo or None!r} matches no quantkit format "
+                              f"(supported: {', '.join(_FORMATS)})")
+    group_size = details.get("group_size")
+    if algo.endswith("NVFP4") and group_size not in (None, GROUP_SIZE):
+        raise CheckpointError(f"ModelOpt {algo} with group_size {group_size} is not NVFP4 (group size {GROUP_SIZE})")
+    exclude = list(details.get("exclude_modules" if nested else "ignore") or [])
+
+    def selects(name: str, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and not any(name == p or fnmatchcase(name, p) for p in exclude)
+
+    return Scheme(_FORMATS[algo], tuple(exclude), selects)
