@@ -68,14 +68,14 @@ def quantize(
     from quantkit.calibrate import Recipe
     from quantkit.calibrate import quantize as run_quantize
     from quantkit.calibrate.data import load_texts, token_samples
-    from quantkit.export import save
+    from quantkit.export import FLAVOURS, save
     from quantkit.models import load_model
 
     start = time.time()
     try:
         recipe = Recipe.parse(format, algo, ignore)
-        if export not in ("compressed-tensors", "modelopt"):
-            raise ValueError(f"unknown export flavour {export!r}; valid: compressed-tensors, modelopt")
+        if export not in FLAVOURS:
+            raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         with _progress() as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")

@@ -72,8 +72,9 @@ def test_nvfp4_bit_exact_with_torchao(dtype, seed):
     w = fresh((96, 256), seed).to(dtype)
     qw = get_format("nvfp4").quantize_weight(w)
     pts = nvfp4_tensor.per_tensor_amax_to_scale(w.float().abs().amax())
-    scales, data = nvfp4_tensor.nvfp4_quantize(w, per_tensor_scale=pts)
-    assert qw.tensor_scale.item() == pts.item()
+    # our tensor scale is 1/fl(2688/amax) (the checkpoint convention): within one ulp of torchao's
+    assert abs(qw.tensor_scale.item() - pts.item()) <= torch.finfo(torch.float32).eps * pts.item()
+    scales, data = nvfp4_tensor.nvfp4_quantize(w, per_tensor_scale=qw.tensor_scale)
     assert torch.equal(qw.scale.view(torch.uint8), scales.view(torch.uint8))
     assert torch.equal(qw.data, data)
 
@@ -169,3 +170,12 @@ def test_bad_input_errors_name_the_problem():
     w[0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         get_format("mxfp8").quantize_weight(w)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_storage_declares_the_quantized_shapes(name):
+    fmt = get_format(name)
+    qw = fmt.quantize_weight(torch.randn(200, 256))
+    (ds, dd), (ss, sd), has_ts = fmt.weight.storage(200, 256)
+    assert (tuple(qw.data.shape), qw.data.dtype, tuple(qw.scale.shape), qw.scale.dtype) == (ds, dd, ss, sd)
+    assert has_ts == (qw.tensor_scale is not None)

@@ -45,6 +45,9 @@ class WeightScheme(Protocol):
     def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
         """FP32 ``[N, K]`` from a :class:`QuantizedWeight` of this scheme."""
 
+    def storage(self, n: int, k: int) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype], bool]:
+        """``((data shape, dtype), (scale shape, dtype), has_tensor_scale)`` for an ``[n, k]`` weight."""
+
 
 class ActivationScheme(Protocol):
     """How a format quantizes activations ``x [..., K]`` on the fly.

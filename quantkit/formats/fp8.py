@@ -66,6 +66,9 @@ class FP8Weight:
         self.block = block
 
     def compute_scales(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """Per-block ``amax/448``; a per-tensor scheme uses ``amax`` when given (a fused group's)."""
+        if amax is not None and self.block == (0, 0):
+            return block_scales(amax.reshape(1, 1), (0, 0)), None
         return block_scales(w, self.block), None
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +76,10 @@ class FP8Weight:
 
     def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
         return dequantize_with(qw.data, qw.scale, self.block)
+
+    def storage(self, n: int, k: int):
+        br, bc = _block_dims((n, k), self.block)
+        return ((n, k), torch.float8_e4m3fn), ((-(-n // br), k // bc), torch.float32), False
 
 
 class FP8Activation:

@@ -69,6 +69,10 @@ class MXWeight:
     def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
         return self.elem.decode(qw.data, qw.scale)
 
+    def storage(self, n: int, k: int):
+        data = ((n, k), torch.float8_e4m3fn) if self.elem.bits == 8 else ((n, k // 2), torch.uint8)
+        return data, ((n, k // BLOCK), torch.uint8), False
+
 
 class MXActivation:
     """Dynamic MX activations: E8M0 scale per 32 computed on the fly."""

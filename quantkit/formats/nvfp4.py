@@ -1,9 +1,12 @@
 """NVFP4: E2M1 values, one E4M3 scale per 16 contiguous K elements, one FP32 tensor scale.
 
-Numerics (bit-identical to torchao's ``nvfp4_quantize``):
+Numerics (given the tensor scale, bit-identical to torchao's ``nvfp4_quantize``):
 
-- tensor scale ``s_g = amax / (6·448)`` (FP32, multiply convention; compressed-tensors stores
-  ``1/s_g`` as ``weight_global_scale``); an all-zero tensor uses ``amax = 1``;
+- tensor scale ``s_g = 1 / fl((6·448) / amax)`` (FP32, multiply convention). compressed-tensors,
+  llm-compressor and vLLM keep the reciprocal ``g = fl(2688/amax)`` (``weight_global_scale``), so
+  ``s_g`` is defined from it: a checkpoint stores ``g`` exactly and ``1/g`` reloads to the same
+  ``s_g``. (torchao's ``amax/2688`` differs from this by at most one FP32 ulp, for ~16 % of amax
+  values.) An all-zero tensor uses ``amax = 1``;
 - block scale ``s_b = e4m3(clamp((block_amax / 6) / s_g, 2**-6, 448))``: never zero or subnormal,
   so an all-zero block gets ``s_b = 2**-6`` and quantizes to zeros;
 - values ``q = e2m1(clamp(x · ((1/s_g) / s_b), ±6))``, RNE;
@@ -25,9 +28,9 @@ _E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """FP32 per-tensor scale ``amax / (6·448)``; an all-zero tensor (amax 0) is treated as amax 1."""
+    """FP32 per-tensor scale ``1 / fl(2688 / amax)``; an all-zero tensor (amax 0) is treated as amax 1."""
     amax = amax.float()
-    return torch.where(amax > 0, amax, torch.ones_like(amax)) / (E2M1_MAX * E4M3_MAX)
+    return 1.0 / ((E2M1_MAX * E4M3_MAX) / torch.where(amax > 0, amax, torch.ones_like(amax)))
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,9 @@ class NVFP4Weight:
 
     def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
         return dequantize_codes(unpack_nibbles(qw.data), qw.scale, qw.tensor_scale)
+
+    def storage(self, n: int, k: int):
+        return ((n, k // 2), torch.uint8), ((n, k // BLOCK), torch.float8_e4m3fn), True
 
 
 class NVFP4Activation:

@@ -25,10 +25,10 @@ class QuantLinear(nn.Module):
         if in_features % fmt.k_multiple:
             raise ValueError(f"{fmt.name}: in_features={in_features} is not divisible by the block size {fmt.k_multiple}")
         self.in_features, self.out_features, self.format = in_features, out_features, fmt.name
-        template = fmt.quantize_weight(torch.ones(out_features, in_features))
-        self.register_buffer("weight", torch.empty_like(template.data, device=device))
-        self.register_buffer("weight_scale", torch.empty_like(template.scale, device=device))
-        if template.tensor_scale is not None:
+        (data_shape, data_dtype), (scale_shape, scale_dtype), has_tensor_scale = fmt.weight.storage(out_features, in_features)
+        self.register_buffer("weight", torch.empty(data_shape, dtype=data_dtype, device=device))
+        self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=scale_dtype, device=device))
+        if has_tensor_scale:
             self.register_buffer("weight_tensor_scale", torch.empty((), dtype=torch.float32, device=device))
         else:
             self.weight_tensor_scale = None
