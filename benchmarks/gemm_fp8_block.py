@@ -28,8 +28,10 @@ DSV3 = [(n, k, m) for n, k in [(2112, 7168), (24576, 1536), (7168, 16384), (4096
 LLAMA = [(n, k, m) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] for m in (1, 16, 4096)]
 CANDIDATES = [
     fbg.TileConfig(64, 64), fbg.TileConfig(64, 128), fbg.TileConfig(128, 64), fbg.TileConfig(128, 128),
-    fbg.TileConfig(128, 128, 2, 1), fbg.TileConfig(128, 128, 1, 2), fbg.TileConfig(64, 128, 1, 2),
+    fbg.TileConfig(64, 128, 1, 2), fbg.TileConfig(128, 128, 1, 2),
+    fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
+TUNE_M = (1, 16, 64, 128, 512, 4096)
 
 
 def time_us(fns: list, reps: int = 15) -> float:
@@ -129,9 +131,10 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 
+    tuned: dict[tuple[int, int, int], fbg.TileConfig] = {}
     if args.tune:
         for n, k in sorted({(n, k) for n, k, _ in SQUARE + DSV3 + LLAMA}):
-            for m in (1, 16, 64, 128, 512, 4096):
+            for m in TUNE_M:
                 prob = Problem(m, n, k, gen)
                 times = {}
                 for cfg in CANDIDATES:
@@ -141,14 +144,20 @@ def main() -> None:
                     except Exception as err:  # noqa: BLE001 — report and keep tuning
                         print(f"  {cfg} M={m} N={n} K={k}: {str(err).splitlines()[0][:160]}")
                 best = min(times, key=times.get)
+                tuned[(n, k, m)] = next(c for c in CANDIDATES if str(c) == best)
                 results["tune"][f"{n}x{k}@{m}"] = times
                 print(f"tune N={n:6d} K={k:6d} M={m:5d}: best {best} {times[best]:9.1f} us  "
                       + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
                 del prob
+        print("_DISPATCH = {")
+        for n, k in sorted({(n, k) for n, k, _ in tuned}):
+            rows = ", ".join(f"({m if m < TUNE_M[-1] else '1 << 31'}, {tuned[(n, k, m)]!r})" for m in TUNE_M)
+            print(f"    ({n}, {k}): ({rows}),")
+        print("}")
 
     for n, k, m in SQUARE + DSV3 + LLAMA:
         prob = Problem(m, n, k, gen)
-        cfg = fbg.pick_config(m, n, k)
+        cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
         err = prob.check(cfg)
         t_ours, t_bf16, t_smm = prob.ours(cfg), prob.bf16(), prob.scaled_mm_rowwise()
         tf = lambda t: prob.flops / t / 1e6  # noqa: E731

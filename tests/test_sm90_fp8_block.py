@@ -108,6 +108,17 @@ def test_block_scaled_sum_equals_dequantized_matmul():
     assert (got - ref).norm() / ref.norm() < 1e-6  # the FP32 dequantized copies round at ~6e-8
 
 
+def test_requant_reciprocal_multiply_is_within_one_e4m3_ulp_of_division():
+    """The requant epilogue computes ``bf16(v) * (1/s)`` in FP32 where the contract says ``v / s``."""
+    torch.manual_seed(3)
+    v = (torch.randn(4096, 128) * torch.logspace(-4, 4, 4096)[:, None]).to(torch.bfloat16).float()
+    s = fp8.block_scales(v, (1, 128))
+    exact = fp8.quantize_with(v, s, (1, 128))
+    fast = (v * (1.0 / s).repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert _within_one_e4m3_ulp(fast, exact)
+    assert (fast.float() != exact.float()).float().mean() < 1e-3
+
+
 # ----------------------------------------------------------------------------- CPU: host logic
 def test_scales_for_tma_layout_and_values():
     s = torch.randn(7, 3)
@@ -163,6 +174,7 @@ def _ptx(tmp_path, name, compile_fn):
 
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
+    configs.add(fbg.TileConfig(128, 128, overlap=False))
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     for i, (cfg, epi) in enumerate(jobs):
@@ -196,11 +208,12 @@ def _operands(m, n, k, gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64, 129, 1000, 4096, 8192])
-@pytest.mark.parametrize(("n", "k"), [(256, 512), (2112, 7168), (4096, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(256, 512), (2112, 7168), (4096, 1536), (320, 640)])
 def test_gpu_gemm_matches_float64(m, n, k):
     gen = torch.Generator("cuda").manual_seed(m * 7 + n + k)
     xq, xs, wq, ws = _operands(m, n, k, gen)
-    for cfg in sorted({cfg for _, cfg in fbg._DEFAULT} | {fbg.pick_config(m, n, k)}, key=str):
+    configs = {cfg for _, cfg in fbg._DEFAULT} | {fbg.pick_config(m, n, k), fbg.TileConfig(128, 128, overlap=False)}
+    for cfg in sorted(configs, key=str):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         fbg.fp8_block_gemm(xq, xs, wq, ws, config=cfg, out=out)
         ref = gemm_f64(xq, xs, wq, ws, Epilogue())
@@ -231,14 +244,24 @@ def test_gpu_epilogues_match_float64(m, epi):
         assert got.shape == (m, n_out) and not got.isnan().any()
         assert _rel(got, ref.to(torch.bfloat16)) < 1e-3
         return
+    # Requant is judged against the reference quantization of this kernel's own bf16 result (the
+    # same config without requant; accumulation is deterministic): the float64 path differs from
+    # the FP8-tensor-core sum by more than an FP8 ulp on small-magnitude elements (seen: 0.04% of
+    # elements), which the bf16 check above already bounds.
     q, s = got
     assert s.shape == (m, n_out // 128) and s.stride(0) == 1 and not s.isnan().any()
-    rq, rs = fp8.quantize(ref.to(torch.bfloat16).cpu(), (1, 128))
-    assert torch.allclose(s.cpu(), rs, rtol=1e-2)
-    # within one FP8 ulp of the reference quantization of the float64 result
-    deq, rdeq = q.cpu().double(), rq.double()
-    ulp = torch.maximum(2.0 ** (torch.floor(torch.log2(rdeq.abs().clamp_min(2.0 ** -6))) - 3), torch.tensor(2.0 ** -9))
-    assert ((deq - rdeq).abs() <= ulp * 1.0001).all()
+    plain = fbg.fp8_block_gemm(xq, xs, wq, ws, Epilogue(epi.bias, epi.activation, epi.residual), bias, res,
+                               config=fbg.pick_config(m, n, k, epi))
+    assert _rel(plain, ref.to(torch.bfloat16)) < 1e-3
+    rq, rs = fp8.quantize(plain.cpu(), (1, 128))
+    assert torch.equal(s.cpu(), rs)
+    assert _within_one_e4m3_ulp(q.cpu(), rq)
+
+
+def _within_one_e4m3_ulp(q: torch.Tensor, ref: torch.Tensor) -> bool:
+    d, r = q.double(), ref.double()
+    ulp = torch.maximum(2.0 ** (torch.floor(torch.log2(r.abs().clamp_min(2.0 ** -6))) - 3), torch.tensor(2.0 ** -9))
+    return bool(((d - r).abs() <= ulp * 1.0001).all())
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ activation-quantization kernel (:mod:`quantkit.kernels.sm90.act_quant`) and this
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -44,6 +44,7 @@ from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
+OVERLAP_UNROLL = 4  # k-tiles per straight-line group of the overlapped mainloop
 _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
 
 
@@ -56,6 +57,7 @@ class TileConfig:
     tile_n: int = 128
     cluster_m: int = 1
     cluster_n: int = 1
+    overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % 4 == 0)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -182,13 +184,17 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSA,
             cute.slice_(self.sa_smem_staged, (None, None, 0)), (self.cfg.tile_m, 1),
         )
-        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
-            cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
-        )
+        tma_d, tD = None, None  # requant stores FP8 straight from registers
+        if cutlass.const_expr(not self.requant):
+            tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+                cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
+            )
         num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
         sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), 1, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
+
+        epi_elems = 1 if self.requant else cute.cosize(self.epi_smem_staged)
 
         @cute.struct
         class SharedStorage:
@@ -196,7 +202,7 @@ class Fp8BlockGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, epi_elems], 1024]  # 1 (unused) with requant
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -210,7 +216,7 @@ class Fp8BlockGemmSm90:
 
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
-        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        bytes_epi = 0 if self.requant else self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
@@ -222,7 +228,7 @@ class Fp8BlockGemmSm90:
         self.a_smem_staged = staged(self.cfg.tile_m, self.ab_dtype, BLOCK, (self.cfg.tile_m, BLOCK, self.ab_stage), (0, 1, 2))
         self.b_smem_staged = staged(self.cfg.tile_n, self.ab_dtype, BLOCK, (self.cfg.tile_n, BLOCK, self.ab_stage), (0, 1, 2))
         self.sa_smem_staged = cute.make_layout((self.cfg.tile_m, 1, self.ab_stage), stride=(1, 0, self.cfg.tile_m))
-        self.epi_smem_staged = staged(
+        self.epi_smem_staged = None if self.requant else staged(
             self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
         )
 
@@ -240,13 +246,13 @@ class Fp8BlockGemmSm90:
         tma_a: cute.CopyAtom, mA: cute.Tensor,
         tma_b: cute.CopyAtom, mB: cute.Tensor,
         tma_sa: cute.CopyAtom, mSA: cute.Tensor,
-        tma_d: cute.CopyAtom, mD_tma: cute.Tensor,
+        tma_d: cute.CopyAtom | None, mD_tma: cute.Tensor | None,
         mSB: cute.Tensor, mD: cute.Tensor,
         mBias: cute.Tensor | None, mRes: cute.Tensor | None, mDS: cute.Tensor | None,
         sched_params: utils.PersistentTileSchedulerParams,
         tiled_mma: cute.TiledMma, tiled_mma_out: cute.TiledMma, cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-        sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout,
+        sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -254,7 +260,8 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_sa)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            if cutlass.const_expr(not self.requant):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
@@ -283,13 +290,15 @@ class Fp8BlockGemmSm90:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sSA = storage.sSA.get_tensor(sa_smem_staged)
-        sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        sD, gD = None, None
+        if cutlass.const_expr(not self.requant):
+            sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+            gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
 
         # (bM, bK, RestM, RestK) etc.
         gA = cute.local_tile(mA, (self.cfg.tile_m, BLOCK), (None, None))
         gB = cute.local_tile(mB, (self.cfg.tile_n, BLOCK), (None, None))
         gSA = cute.local_tile(mSA, (self.cfg.tile_m, 1), (None, None))
-        gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
 
         a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -359,6 +368,7 @@ class Fp8BlockGemmSm90:
         tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
         tmp = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
+        tmp2 = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype) if self.cfg.overlap else tmp
         # Element ((c, h, j), 0, 0) of a 64-row WGMMA accumulator lies in row group h (rows r, r + 8).
         row_lo = tCcAcc[((0, 0, 0), 0, 0)][0]
         row_hi = tCcAcc[((0, 1, 0), 0, 0)][0]
@@ -371,25 +381,21 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.swiglu):
             out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype)
 
-        # Epilogue copies: registers -> smem (stmatrix) -> gmem (TMA).
-        copy_r2s = sm90_utils.sm90_get_smem_store_op(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, elem_ty_d=self.out_dtype, elem_ty_acc=self.acc_dtype)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            copy_r2s,
-            cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma_out
-            ),
-        )
-        thr_r2s = tiled_copy_r2s.get_slice(ctid)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_rOut = tiled_copy_r2s.retile(out)
-        rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-        tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-        tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
-        size_rD = cute.size(tRS_rD)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-        )
+        # bf16 epilogue copies: registers -> smem (stmatrix) -> gmem (TMA), one epi_tile at a time.
+        if cutlass.const_expr(not self.requant):
+            copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
+            thr_r2s = tiled_copy_r2s.get_slice(ctid)
+            tRS_sD = thr_r2s.partition_D(sD)
+            tRS_rOut = tiled_copy_r2s.retile(out)
+            rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+            size_rD = cute.size(tRS_rD)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            )
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -399,63 +405,120 @@ class Fp8BlockGemmSm90:
             tm, tn, _ = work.tile_idx
             acc.fill(0.0)
             n_block = (tn * self.cfg.tile_n + col0) // BLOCK
-            for kt in range(k_tiles):
-                w_scale = mSB[n_block, kt]
-                ab_pipe.consumer_wait(state)
-                cute.nvgpu.warpgroup.fence()
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, state.index)], tCrB[(None, None, kb, state.index)], tmp)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                s_lo = sSA[(row_lo, 0, state.index)] * w_scale
-                s_hi = sSA[(row_hi, 0, state.index)] * w_scale
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipe.consumer_release(state)
-                state.advance()
-                for j in cutlass.range_constexpr(n_frag):
-                    for c in cutlass.range_constexpr(2):
-                        acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo
-                        acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi
+            if cutlass.const_expr(not self.cfg.overlap):
+                for kt in range(k_tiles):
+                    w_scale = mSB[n_block, kt]
+                    ab_pipe.consumer_wait(state)
+                    tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, state.index, k_blocks)
+                    s_lo = sSA[(row_lo, 0, state.index)] * w_scale
+                    s_hi = sSA[(row_hi, 0, state.index)] * w_scale
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipe.consumer_release(state)
+                    state.advance()
+                    self._promote(acc, tmp, s_lo, s_hi, n_frag)
+            else:
+                # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs. Groups of
+                # OVERLAP_UNROLL k-tiles end with wait_group(0): ptxas serializes WGMMA (C7514) when an
+                # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
+                read = state.clone()
+                for kt0 in range(0, k_tiles, OVERLAP_UNROLL):
+                    s_lo = [None] * OVERLAP_UNROLL
+                    s_hi = [None] * OVERLAP_UNROLL
+                    for u in cutlass.range_constexpr(OVERLAP_UNROLL):
+                        w_scale = mSB[n_block, kt0 + u]
+                        ab_pipe.consumer_wait(read)
+                        tiled_mma = self._issue(tiled_mma, (tmp, tmp2)[u % 2], tCrA, tCrB, read.index, k_blocks)
+                        s_lo[u] = sSA[(row_lo, 0, read.index)] * w_scale
+                        s_hi[u] = sSA[(row_hi, 0, read.index)] * w_scale
+                        read.advance()
+                        if cutlass.const_expr(u > 0):
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            ab_pipe.consumer_release(state)
+                            state.advance()
+                            self._promote(acc, (tmp, tmp2)[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipe.consumer_release(state)
+                    state.advance()
+                    self._promote(acc, (tmp, tmp2)[(OVERLAP_UNROLL - 1) % 2], s_lo[-1], s_hi[-1], n_frag)
 
             m0 = tm * self.cfg.tile_m
             self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
 
-            # registers -> smem -> gmem, one epi_tile at a time
-            gD_tile = gD[(None, None, tm, tn)]
-            gD_epi = cute.zipped_divide(gD_tile, self.epi_tile)
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
-            )
-            epi_tiles = cute.size(gD_epi, mode=[1])
-            epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
-            done_before = sched.num_tiles_executed * epi_tiles
-            for e in cutlass.range_constexpr(epi_tiles):
-                for v in cutlass.range_constexpr(size_rD):
-                    tRS_rD[v] = tRS_rOut[e * size_rD + v]
-                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                buf = (done_before + e) % self.epi_stage
-                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epi_barrier.arrive_and_wait()
-                if warp_idx == 4:
-                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                self.epi_barrier.arrive_and_wait()
+            if cutlass.const_expr(self.requant):
+                self._store_fp8(out, tCcOut, m0, tn * self.out_tile_n, m_total, mD)
+            else:
+                gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
+                )
+                epi_tiles = cute.size(gD_epi, mode=[1])
+                epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
+                done_before = sched.num_tiles_executed * epi_tiles
+                for e in cutlass.range_constexpr(epi_tiles):
+                    for v in cutlass.range_constexpr(size_rD):
+                        tRS_rD[v] = tRS_rOut[e * size_rD + v]
+                    tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                    buf = (done_before + e) % self.epi_stage
+                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+                    if warp_idx == 4:
+                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        store_pipe.producer_tail()
+        if cutlass.const_expr(not self.requant):
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def _store_fp8(self, out, tCcOut, m0, n0, m_total, mD):
+        """Requant output: each thread's adjacent column pairs straight to gmem (2-byte stores, rows < M)."""
+        pairs = cute.zipped_divide(mD, (1, 2))
+        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
+        for j in cutlass.range_constexpr(cute.size(out, mode=[0]) // 4):
+            for h in cutlass.range_constexpr(2):
+                coord = tCcOut[((0, h, j), 0, 0)]
+                m = m0 + coord[0]
+                if m < m_total:
+                    pair[0, 0] = out[((0, h, j), 0, 0)]
+                    pair[0, 1] = out[((1, h, j), 0, 0)]
+                    pairs[(None, (m, (n0 + coord[1]) // 2))].store(pair.load().to(cutlass.Float8E4M3FN))
+
+    @cute.jit
+    def _issue(self, tiled_mma, tmp, tCrA, tCrB, stage, k_blocks):
+        """WGMMA one 128-K block from smem ``stage`` into the (zeroed) temporary ``tmp``; commits.
+        Returns ``tiled_mma``, whose ACCUMULATE field it changed."""
+        cute.nvgpu.warpgroup.fence()
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], tmp)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        return tiled_mma  # rebound by the caller so loops carry it
+
+    @cute.jit
+    def _promote(self, acc, tmp, s_lo, s_hi, n_frag):
+        """``acc += tmp * scale`` with the row scale of each element's row group (rows r, r + 8)."""
+        for j in cutlass.range_constexpr(n_frag):
+            for c in cutlass.range_constexpr(2):
+                acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo
+                acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi
 
     @cute.jit
     def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
         """In registers: bias, activation (SwiGLU writes ``out``), residual, requant (FP32 in/out)."""
         n0 = tn * self.cfg.tile_n
         if cutlass.const_expr(self.epi.bias):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                n = n0 + tCcAcc[i][1]
+            bias_pairs = cute.zipped_divide(mBias, (2,))  # columns (2p, 2p + 1) of a thread are adjacent
+            for j in cutlass.range_constexpr(n_frag):
+                n = n0 + tCcAcc[((0, 0, j), 0, 0)][1]
                 if n < mBias.shape[0]:
-                    acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
+                    b = bias_pairs[(None, n // 2)].load().to(cutlass.Float32)
+                    for h in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            acc[((c, h, j), 0, 0)] = acc[((c, h, j), 0, 0)] + b[c]
         act = self.epi.activation
         if cutlass.const_expr(act == "relu"):
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -466,7 +529,7 @@ class Fp8BlockGemmSm90:
                 z = x
                 if cutlass.const_expr(act == "gelu_tanh"):
                     z = _GELU_C * (x + 0.044715 * x * x * x)
-                acc[i] = x / (1.0 + cute.math.exp(-z))
+                acc[i] = x * cute.arch.rcp_approx(1.0 + cute.math.exp(-z))
         if cutlass.const_expr(act == "swiglu"):
             half = n_frag // 2  # columns j and j + 64 of a warpgroup sit in fragment blocks j, j + half
             for j in cutlass.range_constexpr(half):
@@ -474,7 +537,7 @@ class Fp8BlockGemmSm90:
                     for c in cutlass.range_constexpr(2):
                         g = acc[((c, h, j), 0, 0)]
                         u = acc[((c, h, j + half), 0, 0)]
-                        out[((c, h, j), 0, 0)] = g / (1.0 + cute.math.exp(-g)) * u
+                        out[((c, h, j), 0, 0)] = g * cute.arch.rcp_approx(1.0 + cute.math.exp(-g)) * u
         if cutlass.const_expr(self.epi.residual):
             out_n0 = tn * self.out_tile_n
             for i in cutlass.range_constexpr(cute.size(out)):
@@ -486,7 +549,8 @@ class Fp8BlockGemmSm90:
 
     @cute.jit
     def _requant(self, out, tCcOut, n_frag, m0, tn, m_total, mDS):
-        """fp8-block requant of each row's 128 columns: ``s = amax(bf16(v)) / 448`` (1 if 0), ``out = v / s``."""
+        """fp8-block requant of each row's 128 columns: ``s = amax(bf16(v)) / 448`` (1 if 0) exactly,
+        ``out = bf16(v) * (1 / s)`` (one FP32 rounding more than ``v / s``: within one FP8 ulp of it)."""
         for h in cutlass.range_constexpr(2):
             amax = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(n_frag):
@@ -499,9 +563,10 @@ class Fp8BlockGemmSm90:
             scale = amax / FP8_MAX
             if amax == 0.0:
                 scale = cutlass.Float32(1.0)
+            inv_scale = 1.0 / scale
             for j in cutlass.range_constexpr(n_frag):
                 for c in cutlass.range_constexpr(2):
-                    q = cute.arch.fmax(out[((c, h, j), 0, 0)] / scale, cutlass.Float32(-FP8_MAX))
+                    q = cute.arch.fmax(out[((c, h, j), 0, 0)] * inv_scale, cutlass.Float32(-FP8_MAX))
                     out[((c, h, j), 0, 0)] = -cute.arch.fmax(-q, cutlass.Float32(-FP8_MAX))  # clamp to +-448
             coord = tCcOut[((0, h, 0), 0, 0)]
             m = m0 + coord[0]
@@ -510,14 +575,29 @@ class Fp8BlockGemmSm90:
 
 
 # ==================================================================== host side
-# Measured dispatch: (max M, TileConfig) per (N', K), first match wins; see benchmarks/notes/fp8_block.md.
-_DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {}
-# For shapes not in the table: by M alone (same measurements, pooled over shapes).
-_DEFAULT: tuple[tuple[int, TileConfig], ...] = (
-    (64, TileConfig(64, 64)),
-    (256, TileConfig(64, 128)),
-    (1 << 31, TileConfig(128, 128)),
-)
+# Measured dispatch (H200, benchmarks/gemm_fp8_block.py --tune; benchmarks/notes/fp8_block.md): the
+# fastest of the candidate tiles at M = 1, 16, 64, 128, 512, 4096, used for M up to that bucket.
+_M_BUCKETS = (1, 16, 64, 128, 512, 1 << 31)
+_S, _W = TileConfig(64, 64), TileConfig(64, 128)  # small-M tiles
+_T, _L = TileConfig(128, 64), TileConfig(128, 128)  # large-M tiles
+_WC, _LC = TileConfig(64, 128, 1, 2), TileConfig(128, 128, 1, 2)  # clusters of 2 along N
+_DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
+    (n, k): tuple(zip(_M_BUCKETS, cfgs))
+    for (n, k), cfgs in {
+        (2112, 7168): (_S, _S, _S, _S, _T, _L),
+        (4096, 4096): (_W, _W, _S, _S, _L, _L),
+        (4096, 7168): (_W, _W, _S, _S, _L, _L),
+        (4096, 14336): (_W, _W, _S, _S, _L, _L),
+        (6144, 4096): (_WC, _W, _S, _T, _L, _L),
+        (7168, 2048): (_WC, _WC, _S, _T, _L, _L),
+        (7168, 16384): (_WC, _WC, TileConfig(64, 64, overlap=False), _T, _L, _LC),
+        (8192, 8192): (_WC, _WC, _S, _T, _L, _L),
+        (24576, 1536): (_W, _W, _W, _T, _L, _L),
+        (28672, 4096): (_WC, _WC, _W, _L, _L, _L),
+    }.items()
+}
+# For shapes not in the table: the tile with the least summed time over the tuned shapes per bucket.
+_DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _S, _T, _L, _L)))
 
 
 def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
@@ -583,6 +663,8 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
         raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
     config = config or pick_config(m, n, k, epilogue)
+    if config.overlap and (k // BLOCK) % OVERLAP_UNROLL:
+        config = replace(config, overlap=False)
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     if bias is not None and not bias_fp32:
         bias = bias.to(torch.bfloat16)
