@@ -160,7 +160,7 @@ def main() -> None:
         cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
         err = prob.check(cfg)
         t_ours, t_bf16, t_smm = prob.ours(cfg), prob.bf16(), prob.scaled_mm_rowwise()
-        tf = lambda t: prob.flops / t / 1e6  # noqa: E731
+        tf = lambda t, flops=prob.flops: flops / t / 1e6  # noqa: E731
         row = dict(m=m, n=n, k=k, cfg=str(cfg), err=err, ours_us=t_ours, bf16_us=t_bf16, scaled_mm_us=t_smm,
                    ours_tflops=tf(t_ours), bf16_tflops=tf(t_bf16), scaled_mm_tflops=tf(t_smm))
         results["rows"].append(row)
