@@ -33,7 +33,7 @@ def _progress() -> Progress:
 def _summary(report, seconds: float) -> Table:
     table = Table(title=f"{report.format}: {len(report.quantized)} layers quantized, {len(report.skipped)} skipped, {seconds:.1f} s")
     for col in ("layer", "shape", "SQNR dB", "MB before", "MB after", "note"):
-        table.add_column(col, justify="left" if col in ("layer", "note") else "right")
+        table.add_column(col, justify="left" if col in ("layer", "note") else "right", overflow="fold")
     for r in report.layers:
         sqnr = "" if r.sqnr_db is None else ("inf" if math.isinf(r.sqnr_db) else f"{r.sqnr_db:.1f}")
         table.add_row(r.name, "×".join(map(str, r.shape)), sqnr, f"{r.bytes_before / 1e6:.2f}" if r.bytes_before else "",
@@ -79,6 +79,7 @@ def quantize(
         with _progress() as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")
+            source_bytes = next(lm.parameters()).element_size()
             if device in (None, "cpu") and not torch.cuda.is_available():
                 lm = lm.float()  # bf16 matmuls are slow on CPUs; scales are computed in FP32 anyway
             bars.update(task, total=1, completed=1)
@@ -91,6 +92,8 @@ def quantize(
             report = run_quantize(lm, recipe, ids, device=device, batch_size=batch_size,
                                   progress=lambda done, total: bars.update(task, completed=done, total=total))
             bars.update(task, total=bars.tasks[task].total or 1, completed=bars.tasks[task].total or 1)
+            for r in report.quantized:  # sizes against the checkpoint's own dtype, not the FP32 working copy
+                r.bytes_before = math.prod(r.shape) * source_bytes
             task = bars.add_task(f"writing {out}", total=None)
             save(lm.to(torch.bfloat16), out, export=export, tokenizer=tokenizer)
             bars.update(task, total=1, completed=1)
