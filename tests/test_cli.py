@@ -1,0 +1,79 @@
+"""`quantkit quantize` / `inspect` end to end on a tiny local model, offline."""
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import quantkit
+from quantkit.cli import app
+from test_eval_fixtures import tiny_llama, tiny_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), max_positions=128).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("fmt,export", [("nvfp4", "compressed-tensors"), ("fp8", "modelopt"), ("mxfp8", "compressed-tensors")])
+def test_quantize_writes_a_checkpoint_that_loads(model_dir, tmp_path, fmt, export):
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--format", fmt, "--export", export, "--samples", 4, "--seq-len", 32)
+    assert res.exit_code == 0, res.output
+    assert "layers quantized" in res.output and f"wrote {out}" in res.output
+    model = quantkit.load(out)
+    layers = [m for m in model.modules() if isinstance(m, quantkit.QuantLinear)]
+    assert len(layers) == 14 and all(m.format == fmt for m in layers)
+    assert (fmt == "mxfp8") == all(m.input_scale is None for m in layers)  # static formats were calibrated
+    logits = model(torch.randint(0, 100, (1, 8))).logits
+    assert torch.isfinite(logits).all()
+    res = run("inspect", out)
+    assert res.exit_code == 0 and fmt in res.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--format", "int3"], "unknown format 'int3'"),
+    (["--calib", "/nonexistent/calib.jsonl"], "does not exist"),
+    (["--seq-len", "4096"], "exceeds the model's context length 128"),
+    (["--export", "gguf"], "unknown export flavour 'gguf'"),
+])
+def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, args, message):
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--samples", 2, "--seq-len", 16, *args)
+    assert res.exit_code == 2
+    assert message in " ".join(res.output.split())
+    assert not out.exists()
+
+
+def test_unknown_model_offline_is_a_clear_error(tmp_path):
+    res = run("quantize", "no-such-org/no-such-model", "--out", tmp_path / "q")
+    assert res.exit_code == 2 and "cannot load model 'no-such-org/no-such-model'" in " ".join(res.output.split())
+    assert not (tmp_path / "q").exists()
+
+
+def test_interrupted_run_leaves_no_output(model_dir, tmp_path, monkeypatch):
+    import quantkit.calibrate.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted during calibration")
+
+    monkeypatch.setattr(pipeline, "quantize_model", boom)
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--samples", 2, "--seq-len", 16)
+    assert res.exit_code == 2 and "interrupted during calibration" in res.output
+    assert not out.exists() and not any(tmp_path.iterdir())
