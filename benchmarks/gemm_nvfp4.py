@@ -1,6 +1,7 @@
 """Check and benchmark the sm90 NVFP4 GEMMs (W4A16, W4A8) on one Hopper GPU.
 
-Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 70b] [--quick]``.
+Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 70b] [--quick]
+[--no-quack] [--tune] [--variants]``; notes and results: ``benchmarks/notes/nvfp4.md``.
 
 1. **Check** (a subprocess, overlapping the benchmark's compiles): every kernel on fresh
    random-normal inputs, output poisoned with NaN, compared with float64 math: W4A16 with the
@@ -12,8 +13,11 @@ Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 7
    ``gemm_w4a16(wformat="nvfp4")`` when importable. Median of CUDA-graph replays (CUDA events);
    weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
    (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
+3. ``--tune``: every candidate config on representative shapes (what ``pick_config`` is fitted
+   to); ``--variants``: decode A/B of the PDL and batched-issue code variants.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -32,12 +36,13 @@ from quantkit.formats import get_format, w4a8  # noqa: E402
 from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 
 SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
 }
-MS = [1, 4, 16, 64, 256, 4096]
+MS = [1, 4, 16, 64, 256, 1024, 4096]
 W4A8_MS = [64, 256, 1024, 2048, 4096]
 L2_BYTES = 50 * 2**20
 
@@ -85,7 +90,7 @@ CHECK_EPILOGUES = [Epilogue(bias=True, activation="silu", residual=True), Epilog
                    Epilogue(activation="relu"), Epilogue(activation="swiglu", bias=True, residual=True)]
 
 
-def check_case(mode, m, n, k, epi, seed):
+def check_case(mode, m, n, k, epi, seed, config=None):
     qw = quantized(n, k, seed, epi.activation == "swiglu")
     prep = ng.prepare(qw.data, qw.scale, qw.tensor_scale)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -93,8 +98,8 @@ def check_case(mode, m, n, k, epi, seed):
     bias = torch.randn(n, device="cuda").to(torch.bfloat16) if epi.bias else None
     res = torch.randn(m, n_out, device="cuda").to(torch.bfloat16) if epi.residual else None
     out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fn = ng.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
-    fn(x, prep, epi, bias, res, out=out)
+    fn = nw8.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
+    fn(x, prep, epi, bias, res, config=config, out=out)
     torch.cuda.synchronize()
     if mode == "w4a8":
         acc = w4a8.accumulate(x, qw.data, qw.scale, qw.tensor_scale).double()
@@ -109,11 +114,28 @@ def check_case(mode, m, n, k, epi, seed):
     return unwritten, err, rounded
 
 
+def check_act_quant(m, k):
+    """The W4A8 activation quantization kernel vs :func:`w4a8.quantize_activation` (bit-exact)."""
+    x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).to(torch.bfloat16)
+    x[0] = 0
+    xq, s = nw8.quantize_activation(x)
+    # the reference on the CPU: CUDA torch divides by a scalar as a multiply by its reciprocal
+    rq, rs = w4a8.quantize_activation(x.cpu()[:, ng.w4a8_k_permutation(k)])
+    return torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+
+
 def run_check(fh) -> bool:
     cases = [(mode, m, 1000, 2048, Epilogue()) for mode in ("w4a16", "w4a8") for m in (1, 3, 16, 64, 257, 4096)]
     cases += [(mode, 37, 1024, 1536, e) for mode in ("w4a16", "w4a8") for e in CHECK_EPILOGUES]
     cases += [("w4a16", 1, 512, 14336, Epilogue()), ("w4a16", 5, 256, 8192, Epilogue(activation="swiglu"))]
+    variants = [ng.Config(bn, wgs, 4, sp, pdl, bat) for bn, wgs, sp in ((8, 1, 4), (16, 2, 2), (64, 1, 2))
+                for pdl in (False, True) for bat in (False, True)]
+    variants += [ng.Config(128, 2, 5, 1), ng.Config(256, 2, 5, 1)]  # setmaxnreg-rebalanced tiles
     ok = True
+    for m, k in ((1, 4096), (37, 14336), (4096, 8192)):
+        good = check_act_quant(m, k)
+        log(f"CHECK {'PASS' if good else 'FAIL'} act_quant M={m} K={k} bit-exact", fh)
+        ok &= good
     for i, (mode, m, n, k, epi) in enumerate(cases):
         t0 = time.time()
         timer = watchdog(240, f"check {mode} m={m} {epi}")
@@ -127,6 +149,18 @@ def run_check(fh) -> bool:
             log(f"CHECK ERROR {mode} M={m} N={n} K={k} {epi}:\n{traceback.format_exc()}", fh)
             ok = False
         timer.cancel()
+    for i, cfg in enumerate(variants):
+        for mode in ("w4a16", "w4a8"):
+            m = {8: 3, 16: 11, 64: 50, 128: 200, 256: 300}[cfg.bn]
+            try:
+                unwritten, err, floor = check_case(mode, m, 1000, 2048, Epilogue(bias=True), seed=100 + i, config=cfg)
+                good = unwritten == 0 and err < max(4e-3, 2 * floor)
+                log(f"CHECK {'PASS' if good else 'FAIL'} variant {mode} M={m} {cfg}: rel_err={err:.2e} "
+                    f"unwritten={unwritten}", fh)
+                ok &= good
+            except Exception:
+                log(f"CHECK ERROR variant {mode} {cfg}:\n{traceback.format_exc()}", fh)
+                ok = False
     return ok
 
 
@@ -173,10 +207,10 @@ def load_quack():
         return None
 
 
-def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False):
+def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=True):
     """Time every contender; QuACK last (its compiles are slow), nothing new after ``deadline``
     (time.time())."""
-    quack = load_quack()
+    quack = load_quack() if with_quack else None
     rows = {}
     for with_quack in (False, True):
         if with_quack and quack is None:
@@ -216,7 +250,11 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False):
                             contenders["dequant+mm"] = (
                                 [lambda: torch.nn.functional.linear(x, dequant(qw).to(torch.bfloat16))], w_bytes)
                     if not with_quack and m in w4a8_ms:
-                        contenders["w4a8"] = ([lambda p=p: ng.nvfp4_w4a8(x, p) for p in preps], w_bytes)
+                        contenders["w4a8"] = ([lambda p=p: nw8.nvfp4_w4a8(x, p) for p in preps], w_bytes)
+                        xq, xs = nw8.quantize_activation(x)
+                        contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
+                                                   w_bytes)
+                        contenders["act_quant"] = ([lambda: nw8.quantize_activation(x)], 0)
                     for cname, (fns, wbytes) in contenders.items():
                         timer = watchdog(300, f"bench {cname} {res['shape']} m={m}")
                         try:
@@ -235,9 +273,102 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False):
     return list(rows.values())
 
 
+def run_variants(shapes, fh):
+    """Decode (M = 1, 16): the default config against the same config with PDL and/or batched
+    WGMMA issue."""
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            qw = quantized(n, k, seed=n + k)
+            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            n_pad = preps[0].row_exp.shape[0]
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                base = ng.pick_config(m, n_pad, k, Epilogue(), False)
+                row = {"shape": f"{name} {n}x{k}", "m": m, "config": str(base)}
+                for label, cfg in (("default", base), ("pdl", dataclasses.replace(base, pdl=True)),
+                                   ("batched", dataclasses.replace(base, batched=True)),
+                                   ("pdl+batched", dataclasses.replace(base, pdl=True, batched=True))):
+                    try:
+                        row[label] = bench_graph([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps])
+                    except Exception:  # noqa: BLE001
+                        log(f"VARIANT ERROR {label} {row['shape']}: {traceback.format_exc(limit=2)}", fh)
+                rows.append(row)
+                log("VARIANT " + json.dumps(row), fh)
+            del preps
+    return rows
+
+
+TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
+              ("70b", 57344, 8192)]
+TUNE_MS = [1, 16, 64, 256, 4096]
+
+
+def candidates(m, n_pad, k, w4a8):
+    """Configs to try for one problem: the heuristic's token tile (W4A8 prefill: 128 and 256),
+    1 or 2 warpgroups, K-splits (>= 4 stages each; 1..8 for decode, 1..2 from M=256, 1 at prefill),
+    the deepest pipeline that fits (and 4 stages for decode tiles)."""
+    base = ng.pick_config(m, n_pad, k, Epilogue(), w4a8)
+    bns = (128, 256) if (w4a8 and m > 128) else (base.bn,)
+    split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2) if m <= 256 else (1,))
+    out = {base}
+    for bn in bns:
+        for wgs in (1, 2):
+            stage_bytes = wgs * ng.TILE_BYTES + bn * ng.BK * (1 if w4a8 else 2)
+            deepest = min(8, (227 * 1024 - 4096) // stage_bytes)
+            for stages in {deepest, 4} if bn <= 16 else {deepest}:
+                for splits in split_opts:
+                    if stages >= 3 and (k // ng.BK) // splits >= 4:
+                        out.add(ng.Config(bn, wgs, stages, splits))
+    return base, sorted(out, key=str)
+
+
+def run_tune(fh, deadline):
+    """Time every candidate config per (shape, M); returns rows with the heuristic's and the best."""
+    rows = []
+    for name, n, k in TUNE_CASES:
+        if time.time() > deadline:
+            log(f"tune deadline: skipping {name} {n}x{k}", fh)
+            continue
+        qw = quantized(n, k, seed=n + k)
+        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k // 2 + n * k // 16))]
+        n_pad = preps[0].row_exp.shape[0]
+        for m in TUNE_MS:
+            if n == 57344 and m not in (1, 64):
+                continue
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            xq, xs = nw8.quantize_activation(x)
+            for mode in ("w4a16", "w4a8") if m >= 256 else ("w4a16",):
+                w4a8_mode = mode == "w4a8"
+                base, cands = candidates(m, n_pad, k, w4a8_mode)
+                times = {}
+                for cfg in cands:
+                    timer = watchdog(120, f"tune {mode} {cfg}")
+                    try:
+                        if w4a8_mode:
+                            fns = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
+                        else:
+                            fns = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                        times[cfg] = bench_graph(fns, reps=9)
+                    except Exception:  # noqa: BLE001
+                        log(f"TUNE ERROR {mode} {cfg}: {traceback.format_exc(limit=2)}", fh)
+                    timer.cancel()
+                if not times:
+                    continue
+                best = min(times, key=times.get)
+                row = {"shape": f"{name} {n}x{k}", "m": m, "mode": mode, "heuristic": str(base),
+                       "heuristic_us": times.get(base), "best": str(best), "best_us": times[best],
+                       "all": {str(c): t for c, t in sorted(times.items(), key=lambda kv: kv[1])}}
+                rows.append(row)
+                log("TUNE " + json.dumps({kk: v for kk, v in row.items() if kk != "all"}), fh)
+        del preps
+        torch.cuda.empty_cache()
+    return rows
+
+
 def table(rows) -> str:
     head = ("shape", "M", "w4a16 µs", "TB/s", "bf16 µs", "TB/s", "x bf16", "deq+mm µs", "quack µs", "x quack",
-            "w4a8 µs", "x bf16")
+            "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
     lines = [" | ".join(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
@@ -245,7 +376,8 @@ def table(rows) -> str:
         ratio = lambda a, b: f"{r[b] / r[a]:.2f}" if a in r and b in r else "-"  # noqa: E731
         lines.append(" | ".join([r["shape"], str(r["m"]), f("w4a16"), f("w4a16_tbs", "{:.2f}"), f("bf16"),
                                  f("bf16_tbs", "{:.2f}"), ratio("w4a16", "bf16"), f("dequant+mm"), f("quack"),
-                                 ratio("w4a16", "quack"), f("w4a8"), ratio("w4a8", "bf16")]))
+                                 ratio("w4a16", "quack"), f("w4a8"), ratio("w4a8", "bf16"), f("w4a8_gemm"),
+                                 f("act_quant")]))
     return "\n".join(lines)
 
 
@@ -257,6 +389,10 @@ def main():
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--quick", action="store_true", help="skip the dequantize-then-matmul baseline")
     ap.add_argument("--budget", type=float, default=420, help="seconds after which no new shape starts")
+    ap.add_argument("--tune", action="store_true", help="also time candidate configs (after the benchmark)")
+    ap.add_argument("--tune-budget", type=float, default=200)
+    ap.add_argument("--variants", action="store_true", help="decode A/B of PDL and batched WGMMA issue")
+    ap.add_argument("--no-quack", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,8 +417,17 @@ def main():
         if checker is not None:
             rc = checker.wait()
             log(f"check subprocess exit code {rc}", fh)
-        rows = run_bench(args.shapes, MS, W4A8_MS, fh, deadline, args.quick)
-    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+        rows = run_bench(args.shapes, MS, W4A8_MS, fh, deadline, args.quick, not args.no_quack)
+        (out / "bench.json").write_text(json.dumps(rows, indent=1))
+        if args.variants:
+            variants = run_variants(args.shapes, fh)
+            (out / "variants.json").write_text(json.dumps(variants, indent=1))
+        if args.tune:
+            tuned = run_tune(fh, time.time() + args.tune_budget)
+            (out / "tune.json").write_text(json.dumps(tuned, indent=1))
+            for r in tuned:
+                log(f"TUNED {r['shape']} M={r['m']} {r['mode']}: heuristic {r['heuristic_us']} -> best "
+                    f"{r['best_us']:.1f} us {r['best']}", fh)
     print(table(rows))
 
 

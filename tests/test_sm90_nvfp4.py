@@ -241,52 +241,71 @@ def test_w4a8_accumulate_equals_float64_math():
 def test_pick_config_fills_the_gpu_and_respects_swiglu():
     cfg = ng.pick_config(1, 4096, 4096, Epilogue(), w4a8=False)
     assert cfg.bn == 8 and (4096 // (64 * cfg.warpgroups)) * cfg.splits >= 2 * 132
+    assert ng.pick_config(1, 57344, 8192, Epilogue(), w4a8=False).splits == 1  # tall weights fill it unsplit
+    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).splits == 1  # no split-K beyond decode
     assert ng.pick_config(1, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).warpgroups == 2
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False).bn == 128
     big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
-    assert big.bn == 128 and big.splits == 1
+    assert big.bn == 256 and big.splits == 1
     with pytest.raises(ValueError):
         ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"))
 
 
+def test_w4a8_crossover_rule():
+    assert not ng.use_w4a8(64, 57344) and not ng.use_w4a8(256, 4096)
+    assert ng.use_w4a8(256, 8192) and ng.use_w4a8(1024, 4096)
+
+
 # ----------------------------------------------------------------------------- compile-only
-COMPILE_CASES = [  # (mode, bn, warpgroups, epilogue): every (bn, warpgroups) pick_config uses, both modes
-    ("w4a16", 8, 1, Epilogue()),
-    ("w4a16", 16, 1, Epilogue(bias=True, activation="silu", residual=True)),
-    ("w4a16", 32, 2, Epilogue(activation="gelu_tanh")),
-    ("w4a16", 64, 2, Epilogue(activation="swiglu")),
-    ("w4a16", 128, 2, Epilogue(activation="relu", residual=True)),
-    ("w4a8", 8, 2, Epilogue(bias=True)),
-    ("w4a8", 64, 2, Epilogue(activation="swiglu", residual=True)),
-    ("w4a8", 128, 2, Epilogue()),
+COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue): every token tile and warpgroup count, both modes
+    ("w4a16", 8, 1, 8, Epilogue()),
+    ("w4a16", 8, 2, 2, Epilogue(activation="swiglu", residual=True)),
+    ("w4a16", 16, 1, 4, Epilogue(bias=True, activation="silu", residual=True)),
+    ("w4a16", 32, 2, 2, Epilogue(activation="gelu_tanh")),
+    ("w4a16", 64, 2, 1, Epilogue(activation="swiglu")),
+    ("w4a16", 128, 2, 1, Epilogue(activation="relu", residual=True)),
+    ("w4a8", 8, 2, 4, Epilogue(bias=True, activation="swiglu")),
+    ("w4a8", 64, 1, 2, Epilogue(residual=True)),
+    ("w4a8", 128, 2, 1, Epilogue()),
+    ("w4a8", 256, 2, 1, Epilogue(bias=True)),
 ]
 
 
 def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     pytest.importorskip("cutlass")
-    cases = [(m, bn, wg, e.bias, e.activation, e.residual) for m, bn, wg, e in COMPILE_CASES]
+    cases = [(m, bn, wg, sp, e.bias, e.activation, e.residual) for m, bn, wg, sp, e in COMPILE_CASES]
     script = textwrap.dedent(f"""
         import json, os, sys
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
-        from quantkit.kernels.sm90 import nvfp4_gemm as ng
-        for i, (mode, bn, wg, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+        from quantkit.kernels.sm90 import nvfp4_gemm as ng, nvfp4_w4a8 as nw8
+        for i, (mode, bn, wg, sp, bias, act, res) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            cfg = ng.Config(bn, wg, 4, 1)
+            cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0, batched=bn <= 16)
             ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+        d = os.path.join({str(tmp_path)!r}, "act_quant")
+        os.makedirs(d)
+        nw8.compile_act_quant(arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (mode, bn, *_rest) in enumerate(COMPILE_CASES):
-        ptx = "".join(open(os.path.join(tmp_path, str(i), f)).read() for f in os.listdir(tmp_path / str(i))
-                      if f.endswith(".ptx"))
-        assert ".target sm_90a" in ptx
+    def ptx(d):
+        return "".join(open(os.path.join(tmp_path, d, f)).read() for f in os.listdir(tmp_path / d) if f.endswith(".ptx"))
+
+    for i, (mode, bn, _wg, splits, _epi) in enumerate(COMPILE_CASES):
+        text = ptx(str(i))
+        assert ".target sm_90a" in text
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
-        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in ptx
-        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
+        assert ("griddepcontrol.wait" in text) == (i % 2 == 0)  # PDL variant
+    quant = ptx("act_quant")
+    assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -300,7 +319,7 @@ def _epilogue_f64(acc, epi: Epilogue, bias, residual):
     return y
 
 
-def _gpu_case(m, n, k, epi, seed, mode):
+def _gpu_case(m, n, k, epi, seed, mode, config=None):
     torch.manual_seed(seed)
     dev = "cuda"
     w = torch.randn(n, k, device=dev) * 0.05
@@ -313,8 +332,10 @@ def _gpu_case(m, n, k, epi, seed, mode):
     bias = torch.randn(n, device=dev).to(torch.bfloat16) if epi.bias else None
     res = torch.randn(m, n_out, device=dev).to(torch.bfloat16) if epi.residual else None
     out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device=dev)
-    fn = ng.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
-    fn(x, prep, epi, bias, res, out=out)
+    from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
+
+    fn = nw8.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
+    fn(x, prep, epi, bias, res, config=config, out=out)
     if mode == "w4a8":
         acc = w4a8.accumulate(x.cpu(), qw.data.cpu(), qw.scale.cpu(), qw.tensor_scale.cpu()).double().to(dev)
     else:
@@ -334,6 +355,19 @@ def test_gpu_matches_float64_reference(mode, m):
 
 
 @pytest.mark.gpu
+def test_gpu_act_quant_is_bit_exact():
+    from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
+
+    torch.manual_seed(8)
+    x = (torch.randn(33, 14336, device="cuda") * torch.logspace(-3, 3, 14336, device="cuda")).to(torch.bfloat16)
+    x[0] = 0
+    xq, s = nw8.quantize_activation(x)
+    # reference on the CPU (CUDA torch divides by a Python scalar as a multiply by its reciprocal)
+    rq, rs = w4a8.quantize_activation(x.cpu()[:, ng.w4a8_k_permutation(14336)])
+    assert torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("epi", [Epilogue(bias=True, activation="silu", residual=True),
                                  Epilogue(activation="gelu_tanh"), Epilogue(activation="swiglu", bias=True)])
@@ -342,3 +376,17 @@ def test_gpu_epilogues(mode, epi):
     assert torch.isfinite(out).all()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 4e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
+@pytest.mark.parametrize("config", [ng.Config(8, 1, 4, 4, pdl=True), ng.Config(16, 2, 4, 2, batched=True),
+                                    ng.Config(8, 1, 8, 8, pdl=True, batched=True), ng.Config(128, 2, 5, 1),
+                                    ng.Config(256, 2, 5, 1)])
+def test_gpu_config_variants(mode, config):
+    """Code variants the benchmarks select explicitly: PDL, batched WGMMA issue, and the
+    setmaxnreg-rebalanced two-warpgroup large tiles."""
+    m = min(config.bn, 200) - 3
+    out, ref = _gpu_case(m, 1024, 2048, Epilogue(bias=True, residual=True), seed=9, mode=mode, config=config)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3

@@ -3,7 +3,7 @@
 Hopper has no FP4 tensor cores: the packed E2M1 weights are decoded in registers and fed to
 WGMMA as the register-sourced A operand. The problem is computed transposed,
 ``out^T[N, M] = W[N, K] · x^T``: weight rows fill the 64-row WGMMA M, tokens the WGMMA N
-(8..128), so a decode batch of one token still uses a legal (if mostly idle) MMA while the
+(8..256), so a decode batch of one token still uses a legal (if mostly idle) MMA while the
 kernel streams the weight bytes.
 
 * **W4A16**: ``x`` bf16. Each E2M1 code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the
@@ -23,11 +23,15 @@ codes in WGMMA-fragment order (thread ``t`` reads 16 bytes at ``t·16`` and ``20
 shift/logic instructions decode them), then 512 bytes of re-encoded block scales (one 16-byte
 word per group of 4 threads). Rows are padded to a multiple of 128.
 
-Structure: per CTA, 1 or 2 consumer warpgroups (64 weight rows each) and one producer warp that
-moves each stage with ``cp.async.bulk`` (weights) and a TMA tile load (activations) onto one
-mbarrier. Split-K across CTAs (``grid.z``) for small grids: each CTA writes its FP32 partial
-tile, the last to arrive (per-tile counter, reset to 0 by it) sums the partials in split order
-(deterministic) and runs the epilogue (alpha, bias, activation incl. interleaved SwiGLU,
+Structure: per CTA, 1 or 2 consumer warpgroups (64 weight rows each) and a producer warpgroup
+whose first warp moves each stage with ``cp.async.bulk`` (weights) and a TMA tile load
+(activations) onto one mbarrier (with 2 consumer warpgroups and >= 128 tokens, ``setmaxnreg``
+moves its registers to the consumers). Consumers decode one 16-K (W4A8: 32-K) block, issue its
+WGMMA, and wait only for the WGMMA that last read the registers they overwrite next; nothing
+but the k-loop branches between WGMMAs (ptxas would serialize them). Split-K across CTAs
+(``grid.z``) for decode grids: each CTA writes its FP32 partial tile, the last to arrive
+(per-tile counter, reset to 0 by it) loads all partials at once and sums them in split order
+(deterministic), then runs the epilogue (alpha, bias, activation incl. interleaved SwiGLU,
 residual) from registers.
 """
 import functools
@@ -216,16 +220,20 @@ def w4a8_k_permutation(k: int, device=None) -> torch.Tensor:
 @dataclass(frozen=True)
 class Config:
     """Launch shape: ``bn`` tokens per CTA (WGMMA N), ``warpgroups`` consumer warpgroups (64 weight
-    rows each), ``stages`` pipeline depth, ``splits`` K-splits across CTAs."""
+    rows each), ``stages`` pipeline depth, ``splits`` K-splits across CTAs; ``pdl`` and
+    ``batched`` select code variants (see the fields)."""
 
     bn: int
     warpgroups: int
     stages: int
     splits: int
+    # Options compiled and CPU-checked but not yet timed or checked on a GPU (off by default):
+    pdl: bool = False  # programmatic dependent launch: weights stream before the previous kernel ends
+    batched: bool = False  # per stage: decode every k-block, then issue all WGMMAs
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this config cannot run ``epilogue``."""
-        if self.bn not in (8, 16, 32, 64, 128) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
+        if self.bn not in (8, 16, 32, 64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
             raise ValueError(f"unsupported config {self}")
         if epilogue.activation == "swiglu" and self.warpgroups != 2:
             raise ValueError("swiglu needs 2 warpgroups (the gate and up halves of a 128-row group)")
@@ -233,22 +241,48 @@ class Config:
             raise ValueError("the NVFP4 sm90 kernels write bf16 only (no requant epilogue)")
 
 
-_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs per SM
+_SMEM = 227 * 1024  # per SM
 
 
 def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_sms: int = 132) -> Config:
-    """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T``: the smallest token tile holding
-    ``m`` (128 beyond), 2 warpgroups unless the grid would be too small, and enough K-splits
-    (each at least 4 stages long) to give every SM two CTAs."""
-    bn = next((b for b in (8, 16, 32, 64) if m <= b), 128)
-    wgs = 2 if (epilogue.activation == "swiglu" or bn >= 64 or n_pad // ROWS >= 4 * num_sms) else 1
-    ctas = (n_pad // (ROWS * wgs)) * (-(-m // bn))
+    """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T`` (rules fitted to the H200 sweep in
+    ``benchmarks/notes/nvfp4.md``).
+
+    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: 256 when that still
+      gives ~one CTA per SM).
+    * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
+      token tiles, for 64-token tiles of very tall weights, and for large tiles when 128-row
+      CTAs still fill the GPU; else 1.
+    * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
+      0.5 (64) CTAs per SM and each split keeps at least 4 stages.
+    * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill half
+      (64 tokens) or all of the shared memory."""
+    rows = n_pad // ROWS
+    swiglu = epilogue.activation == "swiglu"
+    if m <= 32:
+        bn = next(b for b in (8, 16, 32) if m <= b)
+    elif m <= 64:
+        bn = 64
+    else:
+        bn = 256 if (w4a8 and rows * -(-m // 256) >= 0.9 * num_sms) else 128
+    m_tiles = -(-m // bn)
+    if bn <= 32:
+        wgs = 2 if (swiglu or bn >= 16) else 1
+    elif bn == 64:
+        wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
+    else:
+        wgs = 2 if (swiglu or (rows // 2) * m_tiles >= 0.9 * num_sms) else 1
+    ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
     splits = 1
-    while ctas * splits < 2 * num_sms and k_tiles // (2 * splits) >= 4:
+    target = {8: 2 * num_sms, 16: 1.5 * num_sms, 32: 1.5 * num_sms, 64: num_sms // 2}.get(bn, 0)
+    while ctas * splits < target and k_tiles // (2 * splits) >= 4:
         splits *= 2
     stage_bytes = wgs * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
-    stages = max(3, min(8, _SMEM_BUDGET // stage_bytes))
+    if bn <= 32:
+        stages = 8 if wgs == 1 else 4
+    else:
+        stages = max(3, min(8, (_SMEM // (2 if bn == 64 else 1) - 4096) // stage_bytes))
     return Config(bn, wgs, stages, splits)
 
 
@@ -315,13 +349,16 @@ def _build_kernel_class():
             self.wgs = config.warpgroups
             self.swiglu = epilogue.activation == "swiglu"
             self.acc_n = config.bn // 2  # accumulator registers per thread
+            # Producer: warp 0 of an extra warpgroup (whole warpgroups keep every SM sub-partition's
+            # register share equal). Large tiles move registers from it to the consumers.
             self.producer_warp = 4 * self.wgs
-            self.threads = 128 * self.wgs + 32
+            self.threads = 128 * (self.wgs + 1)
+            self.rebalance = self.wgs == 2 and config.bn >= 128
 
         @cute.jit
         def __call__(self, x_ptr: Int64, tiles_ptr: Int64, exp_ptr: Int64, xs_ptr: Int64, gs_ptr: Int64,
                      out_ptr: Int64, bias_ptr: Int64, res_ptr: Int64, ws_ptr: Int64, cnt_ptr: Int64,
-                     m: Int32, n_pad: Int32, n_out: Int32, k: Int32, splits: Int32, stream):
+                     m: Int32, n_pad: Int32, n_out: Int32, k: Int32, stream):
             gmem = cute.AddressSpace.gmem
             cfg = self.cfg
             k = cute.assume(k, divby=BK)
@@ -360,21 +397,25 @@ def _build_kernel_class():
                 xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
 
             self.shared_storage = SharedStorage
-            grid = (n_pad // (ROWS * self.wgs), (m + cfg.bn - 1) // cfg.bn, splits)
+            grid = (n_pad // (ROWS * self.wgs), (m + cfg.bn - 1) // cfg.bn, cfg.splits)
             self.kernel(tma_x, tX, tiles_ptr, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
-                        m, n_out, n_rows, k, splits, tiled_mma, x_smem).launch(
-                grid=grid, block=[self.threads, 1, 1], stream=stream)
+                        m, n_out, n_rows, k, tiled_mma, x_smem).launch(
+                grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl,
+                # large accumulators: let ptxas use the whole register file for one CTA
+                min_blocks_per_mp=1 if cfg.bn >= 128 else 0)
 
         @cute.kernel
         def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tiles_ptr: Int64,
                    mExp: cute.Tensor | None, mXs: cute.Tensor | None, mGs: cute.Tensor, mOut: cute.Tensor,
                    mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
-                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32, splits: Int32,
+                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32,
                    tiled_mma: cute.TiledMma, x_smem: cute.ComposedLayout):
             cfg = self.cfg
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             bx, by, bz = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()  # dependents launch once all CTAs are resident
             if warp_idx == self.producer_warp:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
 
@@ -395,36 +436,69 @@ def _build_kernel_class():
             wbuf = storage.wbuf.data_ptr()
 
             k_tiles = k // BK
-            kt_begin = bz * k_tiles // splits
-            kt_end = (bz + 1) * k_tiles // splits
+            kt_begin = bz * k_tiles // cfg.splits
+            kt_end = (bz + 1) * k_tiles // cfg.splits
             pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-            if warp_idx == self.producer_warp:
-                gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
-                tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
-                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-                wbuf_addr = wbuf.toint()
-                for kt in cutlass.range(kt_begin, kt_end, unroll=1):
-                    pipe.producer_acquire(state)
-                    bar = pipe.producer_get_barrier(state)
-                    with cute.arch.elect_one():
-                        for wg in cutlass.range_constexpr(self.wgs):
-                            src = tiles_ptr + Int64((bx * self.wgs + wg) * k_tiles + kt) * TILE_BYTES
-                            dst = wbuf_addr + (state.index * self.wgs + wg) * TILE_BYTES
-                            bulk_g2s(dst, src, TILE_BYTES, bar.toint())
-                    cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar)
-                    pipe.producer_commit(state)
-                    state.advance()
-                pipe.producer_tail(state)
-            if warp_idx < self.producer_warp:
+            if warp_idx >= self.producer_warp:
+                if cutlass.const_expr(self.rebalance):
+                    cute.arch.setmaxregister_decrease(40)
+                if warp_idx == self.producer_warp:
+                    self.producer(pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, k_tiles, kt_begin, kt_end)
+            else:
+                if cutlass.const_expr(self.rebalance):
+                    cute.arch.setmaxregister_increase(232)
                 self.consumer(pipe, tiled_mma, sX, wbuf, storage, tidx, warp_idx // 4, bx, by, bz,
                               kt_begin, kt_end, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
-                              m, n_out, n_rows, splits)
+                              m, n_out, n_rows)
+
+        @cute.jit
+        def producer(self, pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, k_tiles, kt_begin, kt_end):
+            """One warp: per stage, the warpgroups' weight tiles (bulk copies) and the activation tile
+            (TMA) onto one mbarrier."""
+            cfg = self.cfg
+            gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
+            tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
+                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+            wbuf_addr = wbuf.toint()
+            first = kt_begin
+            if cutlass.const_expr(cfg.pdl):
+                # The weights do not depend on the previous kernel: fill the pipeline with them, then
+                # wait for the previous grid (it may produce x) before loading activations.
+                first = cutlass.min(kt_end, kt_begin + cfg.stages)
+                x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+                for kt in cutlass.range(kt_begin, first, unroll=1):
+                    pipe.producer_acquire(state)
+                    self.load_weights(pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt)
+                    state.advance()
+                cute.arch.griddepcontrol_wait()
+                for kt in cutlass.range(kt_begin, first, unroll=1):
+                    cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, x_state.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(x_state))
+                    x_state.advance()
+            for kt in cutlass.range(first, kt_end, unroll=1):
+                pipe.producer_acquire(state)
+                self.load_weights(pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt)
+                cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, state.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
+                pipe.producer_commit(state)
+                state.advance()
+            pipe.producer_tail(state)
+
+        @cute.jit
+        def load_weights(self, pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt):
+            """Bulk-copy the warpgroups' weight tiles of k-tile ``kt`` into ``state``'s stage."""
+            bar = pipe.producer_get_barrier(state)
+            with cute.arch.elect_one():
+                for wg in cutlass.range_constexpr(self.wgs):
+                    src = tiles_ptr + Int64((bx * self.wgs + wg) * k_tiles + kt) * TILE_BYTES
+                    dst = wbuf_addr + (state.index * self.wgs + wg) * TILE_BYTES
+                    bulk_g2s(dst, src, TILE_BYTES, bar.toint())
 
         @cute.jit
         def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, kt_begin, kt_end,
-                     mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, splits):
+                     mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows):
             cfg = self.cfg
             ct = tidx % 128
             rb = bx * self.wgs + wg  # 64-row block of the weight
@@ -466,7 +540,7 @@ def _build_kernel_class():
                 pipe.consumer_release(release)
 
             self.epilogue(acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias, mRes,
-                          ws_ptr, cnt_ptr, m, n_out, n_rows, splits)
+                          ws_ptr, cnt_ptr, m, n_out, n_rows)
 
         @cute.jit
         def k_tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct, state, release,
@@ -477,21 +551,38 @@ def _build_kernel_class():
             for h in cutlass.range_constexpr(2):
                 cute.autovec_copy(sCode[None, h, ct, stage], rc[None, h])
             cute.autovec_copy(sScale[None, ct // 4, stage], rs)
-            for b in cutlass.range_constexpr(self.mma_k):
-                # the registers of k-block b were last read by the WGMMA mma_k groups back
-                warpgroup.wait_group(self.mma_k - 1)
-                if cutlass.const_expr(release_previous and b == self.mma_k - 1):
-                    pipe.consumer_release(release)  # every WGMMA of the previous stage has retired
+            if cutlass.const_expr(self.cfg.batched):
+                # decode all k-blocks, then one WGMMA batch; the previous batch must have retired
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(release_previous):
+                    pipe.consumer_release(release)
                     release.advance()
-                if cutlass.const_expr(self.w4a8):
-                    self.decode_w4a8(frag, rc, rs, krows, b)
-                else:
-                    self.decode_w4a16(frag, rc, rs, b)
+                for b in cutlass.range_constexpr(self.mma_k):
+                    self.decode(frag, rc, rs, krows, b)
                 warpgroup.fence()
-                cute.gemm(tiled_mma, acc, tCrA[None, None, b], tCrB[None, None, b, stage], acc)
+                for b in cutlass.range_constexpr(self.mma_k):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, b], tCrB[None, None, b, stage], acc)
                 warpgroup.commit_group()
+            else:
+                for b in cutlass.range_constexpr(self.mma_k):
+                    # the registers of k-block b were last read by the WGMMA mma_k groups back
+                    warpgroup.wait_group(self.mma_k - 1)
+                    if cutlass.const_expr(release_previous and b == self.mma_k - 1):
+                        pipe.consumer_release(release)  # every WGMMA of the previous stage has retired
+                        release.advance()
+                    self.decode(frag, rc, rs, krows, b)
+                    warpgroup.fence()
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, b], tCrB[None, None, b, stage], acc)
+                    warpgroup.commit_group()
             state.advance()
             return state, release
+
+        @cute.jit
+        def decode(self, frag, rc, rs, krows, b: cutlass.Constexpr[int]):
+            if cutlass.const_expr(self.w4a8):
+                self.decode_w4a8(frag, rc, rs, krows, b)
+            else:
+                self.decode_w4a16(frag, rc, rs, b)
 
         @cute.jit
         def decode_w4a16(self, frag, rc, rs, b: cutlass.Constexpr[int]):
@@ -523,23 +614,27 @@ def _build_kernel_class():
 
         @cute.jit
         def epilogue(self, acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias,
-                     mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, splits):
+                     mRes, ws_ptr, cnt_ptr, m, n_out, n_rows):
             cfg = self.cfg
+            if cutlass.const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_wait()  # the previous grid may still use counters / outputs
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.wgs)
             flag = storage.flag.get_tensor(cute.make_layout(4))
             tid_c = wg * 128 + ct  # thread index among the CTA's consumers
             is_last = Int32(1)
-            if splits > 1:
+            if cutlass.const_expr(cfg.splits > 1):
+                # Serial split-K: publish this CTA's FP32 partial tile; the last CTA of the tile to
+                # arrive (per-tile counter) sums all partials in split order (deterministic).
+                # Release/acquire: CTA barrier + one acq_rel atomic (cumulative), then a fence.
                 grid_x, grid_y, _ = cute.arch.grid_dim()
                 tile = by * grid_x + bx
                 row_len = 128 * self.wgs * self.acc_n  # partial floats per tile
                 split_stride = grid_x * grid_y * row_len
                 mine = ws_ptr + Int64(tile * row_len + tid_c * self.acc_n) * 4
                 part = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=16),
-                                        cute.make_layout((self.acc_n, splits), stride=(1, split_stride)))
+                                        cute.make_layout((self.acc_n, cfg.splits), stride=(1, split_stride)))
                 acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n))
                 cute.autovec_copy(acc_flat, part[None, bz])
-                cute.arch.fence_acq_rel_gpu()
                 epi_bar.arrive_and_wait()
                 counter = cute.make_tensor(cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + tile,
                                            cute.make_layout(1))
@@ -547,23 +642,20 @@ def _build_kernel_class():
                     flag[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
                 epi_bar.arrive_and_wait()
                 is_last = Int32(0)
-                if flag[0] == splits - 1:
+                if flag[0] == cfg.splits - 1:
                     is_last = Int32(1)
                 if is_last != 0:
                     cute.arch.fence_acq_rel_gpu()
-                    total = cute.make_rmem_tensor(self.acc_n, Float32)
-                    total.fill(0.0)
-                    other = cute.make_rmem_tensor(self.acc_n, Float32)
-                    for j in cutlass.range(splits, unroll=1):  # fixed order: deterministic
-                        if j == bz:
-                            for v in cutlass.range_constexpr(self.acc_n):
-                                total[v] = total[v] + acc_flat[v]
-                        else:
-                            cute.autovec_copy(part[None, j], other)
-                            for v in cutlass.range_constexpr(self.acc_n):
-                                total[v] = total[v] + other[v]
-                    for v in cutlass.range_constexpr(self.acc_n):
-                        acc_flat[v] = total[v]
+                    parts = cute.make_rmem_tensor((4, cfg.splits), Float32)
+                    for c in cutlass.range_constexpr(self.acc_n // 4):  # all splits' loads in flight at once
+                        for j in cutlass.range_constexpr(cfg.splits):
+                            src = cute.make_tensor(part[None, j].iterator + c * 4, cute.make_layout(4))
+                            cute.autovec_copy(src, parts[None, j])
+                        for v in cutlass.range_constexpr(4):
+                            total = parts[v, 0]
+                            for j in cutlass.range_constexpr(1, cfg.splits):
+                                total = total + parts[v, j]
+                            acc_flat[c * 4 + v] = total
                     if tid_c == 0:
                         counter[0] = Int32(0)  # ready for the next launch
             if is_last != 0:
@@ -652,22 +744,25 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
     """The compiled kernel for one (config, epilogue, mode, bias dtype), through :mod:`..cache`.
 
     The executor takes data pointers ``(x, tiles, row_exp, x_scale, tensor_scale, out, bias,
-    residual, workspace, counters)`` (0 when unused), then ``M, N_pad, N_out, K, splits`` and a
-    ``cuda.CUstream``; ``M`` and ``splits`` are runtime values."""
+    residual, workspace, counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and a
+    ``cuda.CUstream``; ``M`` (and N, K) are runtime values."""
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
     arch = pin_arch(arch)
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32)
-    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config.bn, config.warpgroups, config.stages, epilogue,
-           bias_fp32)  # splits is a runtime argument
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32)
     return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
-                          BK, 1, make_fake_stream(), arch=arch, options=options)
+                          BK, make_fake_stream(), arch=arch, options=options)
 
 
 # ---------------------------------------------------------------------------------------- host
-W4A8_MIN_M = 1024  # measured W4A16/W4A8 crossover (benchmarks/notes/nvfp4.md)
+def use_w4a8(m: int, n: int) -> bool:
+    """Whether W4A8 (incl. its activation quantization) beats W4A16 for ``M = m`` tokens and
+    ``N' = n`` weight rows: the crossover measured on H200 (``benchmarks/notes/nvfp4.md``) is
+    M = 256 for N' >= 8192 and M = 1024 for narrower weights."""
+    return m >= 1024 or (m >= 256 and n >= 8192)
 
 _counters: dict[torch.device, torch.Tensor] = {}
 _COUNTERS = 1 << 16
@@ -682,8 +777,10 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _launch(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
-            config: Config | None, out: torch.Tensor | None) -> torch.Tensor:
+def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
+                config: Config | None, out: torch.Tensor | None) -> torch.Tensor:
+    """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
+    FP32 per-token ``x_scale [M]``); checks shapes, picks the config, allocates split-K scratch."""
     import cuda.bindings.driver as cuda
 
     m, k = x_arg.shape
@@ -697,6 +794,8 @@ def _launch(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: b
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n_out}] tensor")
     if m == 0:
         return out
+    if x_arg.data_ptr() % 16 or not x_arg.is_contiguous():
+        raise ValueError("x must be contiguous and 16-byte aligned (TMA)")
     if epilogue.bias and (bias is None or tuple(bias.shape) != (w.n,)):
         raise ValueError(f"epilogue has bias: expected bias[{w.n}]")
     if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
@@ -719,7 +818,7 @@ def _launch(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: b
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stream = cuda.CUstream(torch.cuda.current_stream(x_arg.device).cuda_stream)
     fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
-       ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, config.splits, stream)
+       ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, stream)
     return out
 
 
@@ -730,34 +829,27 @@ def nvfp4_w4a16(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilog
     ``[M, N]`` (``N = N'/2`` for swiglu). ``config`` overrides :func:`pick_config`."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
-    return _launch(x.contiguous(), w, epilogue, False, None, bias, residual, config, out)
-
-
-def nvfp4_w4a8(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
-               config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Like :func:`nvfp4_w4a16` with ``x`` quantized per token to FP8 and the weight rounded to
-    E4M3 as :mod:`quantkit.formats.w4a8` documents (its ``accumulate`` is the reference)."""
-    from quantkit.formats.w4a8 import quantize_activation
-
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
-        raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
-    xq, xs = quantize_activation(x[:, w4a8_k_permutation(w.k, x.device)])
-    return _launch(xq.contiguous(), w, epilogue, True, xs.contiguous(), bias, residual, config, out)
+    return launch_gemm(x.contiguous(), w, epilogue, False, None, bias, residual, config, out)
 
 
 def nvfp4_gemm(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None,
                residual=None) -> torch.Tensor:
-    """W4A16 below :data:`W4A8_MIN_M` tokens, W4A8 from there (the measured crossover)."""
-    fn = nvfp4_w4a8 if x.shape[0] >= W4A8_MIN_M else nvfp4_w4a16
-    return fn(x, w, epilogue, bias, residual)
+    """W4A16, or W4A8 (:mod:`.nvfp4_w4a8`) past the measured crossover (:func:`use_w4a8`)."""
+    if use_w4a8(x.shape[0], w.n):
+        from quantkit.kernels.sm90.nvfp4_w4a8 import nvfp4_w4a8
+
+        return nvfp4_w4a8(x, w, epilogue, bias, residual)
+    return nvfp4_w4a16(x, w, epilogue, bias, residual)
 
 
 # ---------------------------------------------------------------------------------------- ops
-def _weight(tiles, row_exp, tensor_scale, n: int) -> Nvfp4Sm90Weight:
+def weight_from_tensors(tiles, row_exp, tensor_scale, n: int) -> Nvfp4Sm90Weight:
+    """The :class:`Nvfp4Sm90Weight` of a prepared weight's tensors (what the custom ops take)."""
     return Nvfp4Sm90Weight(tiles, row_exp, tensor_scale, n, tiles.shape[1] * BK)
 
 
-def _out_shape(x: torch.Tensor, n: int, activation: str) -> tuple[int, int]:
+def output_shape(x: torch.Tensor, n: int, activation: str) -> tuple[int, int]:
+    """``(M, N)`` of the output for ``x [M, K]`` and ``N'`` weight rows (``N = N'/2`` for swiglu)."""
     return x.shape[0], n // 2 if activation == "swiglu" else n
 
 
@@ -767,23 +859,9 @@ def nvfp4_w4a16_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, 
                    activation: str = "identity") -> torch.Tensor:
     """``torch.library`` op around :func:`nvfp4_w4a16` on a prepared weight's tensors (``n``: N')."""
     epi = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
-    return nvfp4_w4a16(x, _weight(tiles, row_exp, tensor_scale, n), epi, bias, residual)
+    return nvfp4_w4a16(x, weight_from_tensors(tiles, row_exp, tensor_scale, n), epi, bias, residual)
 
 
 @nvfp4_w4a16_op.register_fake
 def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
-    return x.new_empty(_out_shape(x, n, activation), dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("quantkit::nvfp4_w4a8", mutates_args=())
-def nvfp4_w4a8_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
-                  n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                  activation: str = "identity") -> torch.Tensor:
-    """``torch.library`` op around :func:`nvfp4_w4a8` on a prepared weight's tensors (``n``: N')."""
-    epi = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
-    return nvfp4_w4a8(x, _weight(tiles, row_exp, tensor_scale, n), epi, bias, residual)
-
-
-@nvfp4_w4a8_op.register_fake
-def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
-    return x.new_empty(_out_shape(x, n, activation), dtype=torch.bfloat16)
+    return x.new_empty(output_shape(x, n, activation), dtype=torch.bfloat16)
