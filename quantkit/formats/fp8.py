@@ -38,7 +38,8 @@ def block_scales(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     pad = (-rows) % br
     a = torch.nn.functional.pad(x.float().abs(), (0, 0, 0, pad))
     amax = a.reshape((rows + pad) // br, br, cols // bc, bc).amax((1, 3))
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a true division on every device (CUDA turns a scalar divisor into a reciprocal multiply)
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Numerics (given the tensor scale, bit-identical to torchao's ``nvfp4_quantize``):
 
-- tensor scale ``s_g = 1 / fl((6·448) / amax)`` (FP32, multiply convention). compressed-tensors,
-  llm-compressor and vLLM keep the reciprocal ``g = fl(2688/amax)`` (``weight_global_scale``), so
+- tensor scale ``s_g = fl(1/g)`` with ``g = fl(fl(1/amax)·2688)`` (FP32, multiply convention).
+  ``g`` is what ``2688 / amax`` computes in PyTorch and in llm-compressor; compressed-tensors and
+  vLLM keep it as ``weight_global_scale``, so
   ``s_g`` is defined from it: a checkpoint stores ``g`` exactly and ``1/g`` reloads to the same
   ``s_g``. (torchao's ``amax/2688`` differs from this by at most one FP32 ulp, for ~16 % of amax
   values.) An all-zero tensor uses ``amax = 1``;
@@ -28,7 +29,7 @@ _E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """FP32 per-tensor scale ``1 / fl(2688 / amax)``; an all-zero tensor (amax 0) is treated as amax 1."""
+    """FP32 per-tensor scale ``1 / (2688 / amax)`` (module docstring); amax 0 is treated as amax 1."""
     amax = amax.float()
     return 1.0 / ((E2M1_MAX * E4M3_MAX) / torch.where(amax > 0, amax, torch.ones_like(amax)))
 
@@ -41,8 +42,8 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 def block_scales(x: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales ``[..., K/16]`` for ``x [..., K]`` under FP32 ``tensor_scale``."""
-    block_amax = _blocks(x).abs().amax(-1)
-    return ((block_amax / E2M1_MAX) / tensor_scale).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    block_amax = _blocks(x).abs().amax(-1)  # true divisions: a scalar divisor is a reciprocal multiply on CUDA
+    return ((block_amax / torch.full_like(block_amax, E2M1_MAX)) / tensor_scale).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_values(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:

@@ -76,16 +76,17 @@ def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue
 
 def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY, *,
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         input_scale: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+         input_scale: torch.Tensor | None = None, weight: Callable[[], torch.Tensor] | None = None):
     """Quantized linear ``x [..., K] × qweight [N', K] -> [..., N]`` with a fused ``epilogue``.
 
-    ``input_scale``: calibrated activation scale for static formats; ``weight``: a cached
-    dequantized weight for the reference path. Same result as :func:`reference.gemm` within the
-    backend's documented tolerance."""
+    ``input_scale``: calibrated activation scale for static formats; ``weight``: returns a cached
+    dequantized weight, called only when the reference path runs. Same result as
+    :func:`reference.gemm` within the backend's documented tolerance."""
     backend = select_backend(x, qweight, epilogue)
     if backend is not None:
         return backend.run(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale)
-    return reference.gemm(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale, weight=weight)
+    return reference.gemm(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale,
+                          weight=weight() if weight is not None else None)
 
 
 __all__ = ["Backend", "Epilogue", "gemm", "register_backend", "select_backend", "use_reference"]

@@ -101,14 +101,15 @@ class QuantLinear(nn.Module):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """FP32 ``[N, K]`` dequantized weight, cached for the reference path."""
+        """FP32 ``[N, K]`` dequantized weight, cached for the reference path (CPU, or formats without
+        a GPU kernel)."""
         if self._dequantized is None:
             self._dequantized = self.qweight.dequantize()
         return self._dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cached = None if x.is_cuda else self.dequantized_weight()
-        return kernels.gemm(x, self.qweight, self.epilogue, bias=self.bias, input_scale=self.input_scale, weight=cached)
+        return kernels.gemm(x, self.qweight, self.epilogue, bias=self.bias, input_scale=self.input_scale,
+                            weight=self.dequantized_weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}"

@@ -6,12 +6,17 @@ module on first use.
 * ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`: ``fp8-block`` weights,
   bf16 activations quantized per 1x128 group on the fly; epilogues bias, activation (incl.
   interleaved SwiGLU), residual, requant to ``fp8-block``.
+* ``sm90-nvfp4`` — :mod:`.nvfp4_gemm` W4A16: ``nvfp4-w4a16`` weights × bf16 activations. Hopper
+  has no FP4 tensor cores, so ``nvfp4`` (W4A4) runs here too: its activations are quantized and
+  dequantized in PyTorch (the reference's own ``qdq``, rounded to bf16), then the W4A16 kernel.
+  The W4A8 kernel (:mod:`.nvfp4_w4a8`) computes a different function (FP8 activations and
+  weights) and is reachable through its own op, not through a format.
 """
 from __future__ import annotations
 
 import torch
 
-from quantkit.formats import QuantizedWeight
+from quantkit.formats import QuantizedWeight, get_format
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 
@@ -47,3 +52,32 @@ def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue,
 
 
 register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_run))
+
+
+def nvfp4_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
+    """Whether the sm90 W4A16 kernel computes ``x @ qweight`` with ``epilogue``."""
+    n, k = qweight.shape
+    return (qweight.format in ("nvfp4-w4a16", "nvfp4") and x.dtype == torch.bfloat16 and k % 128 == 0
+            and epilogue.requant is None and (epilogue.activation != "swiglu" or n % (2 * SWIGLU_GROUP) == 0))
+
+
+def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
+              input_scale=None):
+    """``x [..., K]`` bf16 -> (``nvfp4``: NVFP4 qdq) -> W4A16 GEMM + ``epilogue`` -> bf16 ``[..., N]``;
+    the re-laid weight is cached in ``qweight.layouts``."""
+    from quantkit.kernels.sm90.nvfp4_gemm import nvfp4_w4a16_op, prepare
+
+    if "sm90" not in qweight.layouts:
+        qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
+    w = qweight.layouts["sm90"]
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if qweight.format == "nvfp4":
+        x2 = get_format("nvfp4").activation.qdq(x2, input_scale).to(torch.bfloat16)
+    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    out = nvfp4_w4a16_op(x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None,
+                         res, epilogue.activation)
+    return out.reshape(*lead, out.shape[-1])
+
+
+register_backend(Backend("sm90-nvfp4", (9,), nvfp4_supports, nvfp4_run))
