@@ -286,6 +286,7 @@ def test_gpu_act_quant_matches_reference(m, rms):
 @pytest.mark.gpu
 def test_gpu_torch_compile_and_cuda_graph_no_recompile():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # counters outlive reset(): other tests' graphs must not count
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(5)
     w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
