@@ -50,8 +50,8 @@ def quantize(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output checkpoint directory (written atomically).")],
     format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP)] = "nvfp4",
     calib: Annotated[Optional[str], typer.Option(help="Calibration data: a .txt/.jsonl/.parquet file or directory, a hub dataset id (name[:config]); default: the embedded corpus.")] = None,
-    samples: Annotated[int, typer.Option(help="Number of calibration sequences.")] = 64,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 512,
+    samples: Annotated[Optional[int], typer.Option(help="Number of calibration sequences (default: 128 on a GPU, 16 on CPU).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+', e.g. 'rtn', 'mse', 'gptq', 'awq+gptq+mse'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
@@ -80,10 +80,13 @@ def quantize(
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")
             source_bytes = next(lm.parameters()).element_size()
-            if device in (None, "cpu") and not torch.cuda.is_available():
+            on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
+            if not on_gpu:
                 lm = lm.float()  # bf16 matmuls are slow on CPUs; scales are computed in FP32 anyway
             bars.update(task, total=1, completed=1)
             ids = None
+            samples = samples or (128 if on_gpu else 16)
+            seq_len = seq_len or (512 if on_gpu else 256)
             if recipe.needs_data:
                 texts = load_texts(calib, tokenizer)
                 context = getattr(lm.config, "max_position_embeddings", None)
