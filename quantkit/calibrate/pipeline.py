@@ -9,6 +9,10 @@
 
 Only one decoder layer and the hidden states are on the device at a time; hidden states go to
 the offload device too when they do not fit ``max_device_bytes`` beside a layer.
+
+Under ``torch.distributed`` (``torchrun``, one rank per GPU) each rank runs its shard of the
+calibration batches and the statistics are reduced over the ranks before each layer's algorithms
+run (:mod:`quantkit.calibrate.distributed`), so every rank quantizes the model identically.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.algorithms import LayerContext, build
+from quantkit.calibrate.distributed import rank_device, shard
 from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
@@ -111,8 +116,11 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     :func:`quantkit.calibrate.data.token_samples`) and swap its Linear layers for QuantLinears.
 
     Formats with only dynamic activations and RTN-only recipes need no data (``calib_data`` may be
-    ``None``). ``device``: where each layer is calibrated (default: CUDA if present, else CPU).
-    ``max_device_bytes``: the memory one layer plus the hidden states may take there.
+    ``None``). ``device``: where each layer is calibrated (default: CUDA if present, else CPU; under
+    ``torch.distributed``: ``cuda:{LOCAL_RANK}``). Under ``torch.distributed`` each rank calibrates
+    on its shard of the ``batch_size`` batches (see :func:`quantkit.calibrate.distributed.shard`)
+    and all ranks end with the same quantized model. ``max_device_bytes``: the memory one layer plus
+    this rank's hidden states may take there.
     ``progress(done, total)`` is called after each layer. Returns the :class:`QuantizationReport`
     (with ``.calibration``: :class:`CalibrationInfo` when data was used)."""
     recipe = recipe if isinstance(recipe, Recipe) else Recipe(recipe)
@@ -122,12 +130,15 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         return quantize_model(model, fmt.name, recipe.ignore)
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device else rank_device()
     prefix, layers = find_decoder_layers(model)
     planned, skipped = plan_layers(model, fmt.name, recipe.ignore)
 
     _move_outside(model, layers, device)
-    batches = [b.to(device) for b in calib_data.split(batch_size)]
+    try:
+        batches = [b.to(device) for b in shard(calib_data.split(batch_size))]
+    except ValueError as err:
+        raise CalibrationError(str(err)) from None
     records = capture_layer_inputs(model, layers, batches)
     block_bytes = max(_nbytes(layer) for layer in layers)
     state_bytes = 2 * sum(h.numel() * h.element_size() for h, _ in records)
