@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from quantkit.calibrate.algorithms.base import STAGES, Algorithm, LayerContext
+from quantkit.calibrate.algorithms.awq import AWQ
+from quantkit.calibrate.algorithms.gptq import GPTQ
+from quantkit.calibrate.algorithms.mse import MSE
 from quantkit.calibrate.algorithms.rtn import RTN
+from quantkit.calibrate.algorithms.smoothquant import SmoothQuant
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (RTN,)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (RTN, MSE, GPTQ, AWQ, SmoothQuant)}
 ALIASES = {"max": "rtn"}
 
 

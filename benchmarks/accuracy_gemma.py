@@ -1,0 +1,163 @@
+"""Accuracy of each calibration algorithm on Gemma-3-270M (the ``demo`` model), on CPU in float32:
+the table of ``docs/accuracy.md``.
+
+Metrics, computed here directly (no lm-eval):
+
+- WikiText-2 perplexity: ``wiki.test.raw`` tokenized as one stream (no BOS), cut into the first
+  ``--windows`` non-overlapping windows of ``--seq-len`` tokens; each window is prefixed with
+  BOS and all its tokens are scored; ``ppl = exp(mean NLL)`` over ``windows·seq_len`` tokens.
+- LAMBADA (OpenAI) accuracy: the first ``--docs`` records of ``lambada_test.jsonl``; context =
+  the text up to its last space, target = " " + last word, tokenized as lm-eval does (whole text
+  minus the context's tokens, BOS first); a doc is correct when the greedy prediction of every
+  target token is right (lm-eval ``lambada_openai`` ``acc``).
+
+Each quantized row calibrates a fresh float32 copy with ``quantkit.calibrate.quantize`` on
+``--calib-samples × --calib-len`` tokens of ``--calib`` (default: the embedded corpus, what
+``quantkit quantize`` uses) and times it. Results go to ``--out`` (JSON, one entry per row,
+rows already there are skipped: the run can be resumed) and the Markdown table to stdout.
+
+    python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+DATA = Path("/work/shared/data")
+
+
+def wikitext_windows(tokenizer, windows: int, seq_len: int) -> torch.Tensor:
+    """int64 ``[windows, seq_len + 1]``: BOS followed by consecutive ``seq_len``-token windows of
+    the WikiText-2 test stream."""
+    text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    need = windows * seq_len
+    ids: list[int] = []
+    for chunk in text.split("\n \n"):  # tokenizing the whole 1.3 MB at once is slow; articles suffice
+        ids += tokenizer(chunk + "\n \n", add_special_tokens=False).input_ids
+        if len(ids) >= need:
+            break
+    stream = torch.tensor(ids[:need]).reshape(windows, seq_len)
+    return torch.cat([torch.full((windows, 1), tokenizer.bos_token_id), stream], 1)
+
+
+def lambada_requests(tokenizer, docs: int) -> list[tuple[list[int], int]]:
+    """Per doc, ``(token ids of context + target, number of target tokens)``."""
+    requests = []
+    with open(DATA / "lambada_openai" / "lambada_test.jsonl", encoding="utf-8") as f:
+        for line, _ in zip(f, range(docs)):
+            text = json.loads(line)["text"]
+            context = text.rsplit(" ", 1)[0]
+            whole, ctx = tokenizer(text).input_ids, tokenizer(context).input_ids
+            requests.append((whole, len(whole) - len(ctx)))
+    return requests
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor) -> float:
+    """exp of the mean next-token NLL over every token after the BOS of each window."""
+    nll = 0.0
+    for w in windows:
+        logits = model(input_ids=w[None], use_cache=False).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
+    return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+@torch.no_grad()
+def lambada_accuracy(model, requests: list[tuple[list[int], int]], batch_size: int = 32) -> float:
+    """Fraction of docs whose every target token is the argmax prediction. Docs run in batches of
+    similar length, right-padded: a causal model's logits at real positions ignore later padding."""
+    correct = 0
+    order = sorted(requests, key=lambda r: len(r[0]))
+    for b in range(0, len(order), batch_size):
+        batch = order[b:b + batch_size]
+        width = len(batch[-1][0])
+        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in batch])
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        for row, (r, n) in enumerate(batch):
+            logits = model.lm_head(hidden[row, len(r) - n - 1:len(r) - 1])  # softcapping keeps the argmax
+            correct += bool((logits.argmax(-1) == torch.tensor(r[-n:])).all())
+    return correct / len(requests)
+
+
+def main() -> None:
+    from quantkit.calibrate.data import load_texts, token_samples
+    from quantkit.calibrate.pipeline import quantize
+    from quantkit.calibrate.recipe import Recipe
+    from quantkit.models import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["nvfp4", "nvfp4-w4a16", "fp8-block", "mxfp8"])
+    p.add_argument("--algos", nargs="+", default=["rtn", "mse", "gptq", "awq", "smoothquant", "default"],
+                   help="recipes ('awq+gptq+mse'); 'default' = the format's DEFAULT_ALGORITHMS")
+    p.add_argument("--windows", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--docs", type=int, default=300, help="LAMBADA docs (0: perplexity only)")
+    p.add_argument("--calib", default=None, help="calibration source (quantkit.calibrate.data); default: embedded corpus")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--options", default="{}", help='JSON per-algorithm options, e.g. {"mse": {"weighted": true}}')
+    p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
+    p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
+    p.add_argument("--out", type=Path, default=Path("accuracy_gemma.json"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+
+    base, tokenizer = load_model("demo", dtype=torch.float32)
+    windows = wikitext_windows(tokenizer, args.windows, args.seq_len)
+    requests = lambada_requests(tokenizer, args.docs)
+    calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len)
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    setup = {"windows": args.windows, "seq_len": args.seq_len, "docs": args.docs, "calib": args.calib or "embedded corpus",
+             "calib_tokens": calib.numel(), "threads": torch.get_num_threads()}
+
+    def record(key: str, model, calib_s: float | None, recipe: str) -> None:
+        t = time.time()
+        row = {"recipe": recipe, "ppl": perplexity(model, windows),
+               "lambada": lambada_accuracy(model, requests) if requests else None,
+               "calib_s": calib_s, "eval_s": time.time() - t, **setup}
+        results[key] = row
+        args.out.write_text(json.dumps(results, indent=1))
+        print(key, json.dumps(row), flush=True)
+
+    if not args.no_bf16 and "bf16" not in results:
+        record("bf16", base, None, "")
+    options = json.loads(args.options)
+    for fmt in args.formats:
+        for algo in args.algos:
+            key = f"{fmt}|{algo}{args.tag}"
+            if key in results:
+                continue
+            recipe = Recipe(fmt, options=options) if algo == "default" else Recipe.parse(fmt, algo, options=options)
+            model = copy.deepcopy(base)
+            t = time.time()
+            quantize(model, recipe, calib, batch_size=8)
+            record(key, model, time.time() - t, "+".join(recipe.algorithms))
+            del model
+    print(markdown(results))
+
+
+def markdown(results: dict) -> str:
+    """The results as a Markdown table (ppl, LAMBADA %, calibration seconds; relative to bf16)."""
+    ref = results.get("bf16")
+    lines = ["| format | algorithms | WikiText-2 ppl | Δ ppl | LAMBADA acc | % of bf16 | calibration (s) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for key, r in results.items():
+        fmt, _, algo = key.partition("|")
+        name = f"default ({r['recipe']})" if algo.startswith("default") else algo
+        d_ppl = f"{100 * (r['ppl'] / ref['ppl'] - 1):+.1f}%" if ref and key != "bf16" else ""
+        has_acc = r["lambada"] is not None
+        acc = f"{100 * r['lambada']:.1f}" if has_acc else ""
+        rel = f"{100 * r['lambada'] / ref['lambada']:.1f}%" if has_acc and ref and key != "bf16" else ""
+        calib = f"{r['calib_s']:.0f}" if r["calib_s"] is not None else ""
+        lines.append(f"| {fmt} | {name} | {r['ppl']:.3f} | {d_ppl} | {acc} | {rel} | {calib} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Calibration algorithms (MSE, GPTQ, AWQ, SmoothQuant) against RTN and independent references."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from quantkit.calibrate.algorithms import AWQ, GPTQ, MSE, LayerContext, SmoothQuant, build
+from quantkit.calibrate.algorithms.gptq import ColumnQuantizer, gptq_quantize
+from quantkit.calibrate.algorithms.mse import qdq, search_block_scales
+from quantkit.calibrate.algorithms.smoothquant import smoothing_pairs
+from quantkit.calibrate.observers import InputObserver
+from quantkit.calibrate.pipeline import capture_layer_inputs, find_decoder_layers, quantize
+from quantkit.calibrate.recipe import Recipe
+from quantkit.formats import get_format
+from quantkit.formats.codecs import E2M1_GRID
+from quantkit.nn.swap import fused_groups, shared_weight_amax
+
+transformers = pytest.importorskip("transformers")
+
+
+# ---------------------------------------------------------------- tiny models with outlier channels
+
+def tiny_llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def tiny_gemma3() -> nn.Module:
+    cfg = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+def with_outliers(arch: str) -> nn.Module:
+    """The tiny ``arch`` model (seeded), float32, eval mode, random norm gains with a few large
+    input channels per smoothing pair."""
+    torch.manual_seed(0)
+    model = MODELS[arch]().float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
+            for norm, channels in ((layer.input_layernorm, slice(0, 3)), (mlp_norm, slice(5, 8))):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.weight[channels] = 12.0
+            layer.mlp.up_proj.weight[10:13] *= 8.0
+            layer.self_attn.v_proj.weight[2:4] *= 8.0
+    return model
+
+
+MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+CALIB = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+TEST = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))
+
+
+def relative_logit_error(arch: str, fmt: str, algo: str, options: dict | None = None) -> float:
+    """``‖logits − float logits‖² / ‖float logits‖²`` of the tiny model after calibrating ``algo``."""
+    model = with_outliers(arch)
+    with torch.no_grad():
+        ref = model(TEST).logits
+    quantize(model, Recipe.parse(fmt, algo, options=options or {}), CALIB, batch_size=4)
+    with torch.no_grad():
+        out = model(TEST).logits
+    return ((out - ref).pow(2).sum() / ref.pow(2).sum()).item()
+
+
+@functools.cache
+def rtn_logit_error(arch: str, fmt: str) -> float:
+    return relative_logit_error(arch, fmt, "rtn")
+
+
+def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerContext]:
+    """Run a ``transform`` algorithm on every decoder layer like the pipeline does (float inputs,
+    no quantization); returns the layer contexts."""
+    prefix, layers = find_decoder_layers(model)
+    records = capture_layer_inputs(model, layers, [CALIB])
+    hidden = [h for h, _ in records]
+    contexts = []
+    for i, layer in enumerate(layers):
+        linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+        def run_block(layer=layer, i=i, hidden=hidden):
+            outs = [layer(h, **kws[i]) for h, (_, kws) in zip(hidden, records)]
+            return [o[0] if isinstance(o, tuple) else o for o in outs]
+
+        observers = {n: InputObserver(m) for n, m in linears.items()}
+        out = run_block()
+        ctx = LayerContext(get_format(fmt), layer, linears, {n: o.finish() for n, o in observers.items()},
+                           fused_groups(linears), shared_weight_amax(linears), run_block)
+        algo.apply(ctx)
+        contexts.append(ctx)
+        hidden = out
+    return contexts
+
+
+# ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant) folds exactly
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("algo", [AWQ(grid=5), SmoothQuant()], ids=["awq", "smoothquant"])
+def test_folded_smoothing_keeps_float_outputs(arch, algo):
+    model = with_outliers(arch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        ref = model(TEST).logits
+    contexts = transform_only(model, algo)
+    with torch.no_grad():
+        out = model(TEST).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    for i in range(2):  # every smoothing pair moved: norms, v_proj/up_proj rows, all consumers
+        for leaf in ("input_layernorm", "self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.up_proj", "mlp.down_proj", "pre_feedforward_layernorm" if arch == "gemma3" else
+                     "post_attention_layernorm"):
+            assert f"model.layers.{i}.{leaf}.weight" in changed
+    if arch == "gemma3":  # Gemma's post-attention norm normalises the attention output: not a producer
+        assert not any("post_attention_layernorm" in n for n in changed)
+    # the statistics the pipeline keeps now describe the smoothed inputs
+    ctx = contexts[0]
+    fresh = {n: InputObserver(m) for n, m in ctx.linears.items()}
+    ctx.run_block()
+    for name, obs in fresh.items():
+        torch.testing.assert_close(ctx.stats[name].channel_amax, obs.finish().channel_amax, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_smoothing_pairs_found(arch):
+    model = with_outliers(arch)
+    prefix, layers = find_decoder_layers(model)
+    linears = {f"{prefix}.0.{n}": m for n, m in layers[0].named_modules() if isinstance(m, nn.Linear)}
+    ctx = LayerContext(get_format("nvfp4"), layers[0], linears, {}, [], {}, lambda: [])
+    pairs = smoothing_pairs(ctx)
+    leaves = [sorted(n.rsplit(".", 1)[1] for n in p.consumers) for p in pairs]
+    assert leaves == [["k_proj", "q_proj", "v_proj"], ["gate_proj", "up_proj"], ["o_proj"], ["down_proj"]]
+    assert [p.offset for p in pairs[:2]] == ([1.0, 1.0] if arch == "gemma3" else [0.0, 0.0])
+    # GQA: o_proj input channel c reads KV head (c // 16) // rep
+    rep = 4 // (1 if arch == "gemma3" else 2)
+    c = torch.arange(64)
+    assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
+
+
+# ---------------------------------------------------------------- every algorithm beats RTN on outlier layers
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt,algo,options,gain", [
+    ("nvfp4-w4a16", "gptq", None, 0.6),
+    ("fp8-block", "gptq", None, 0.7),
+    ("mxfp4", "gptq", None, 0.75),
+    ("nvfp4-w4a16", "awq", {"awq": {"grid": 10}}, 0.9),
+    ("nvfp4", "awq", {"awq": {"grid": 10}}, 0.9),
+    ("nvfp4-w4a16", "mse", None, 0.9),
+    ("nvfp4-w4a16", "mse", {"mse": {"weighted": True}}, 0.7),
+    ("nvfp4", "smoothquant", None, 0.8),
+    ("nvfp4-w4a16", "smoothquant", None, 0.8),
+    ("nvfp4-w4a16", "awq+mse+gptq", {"awq": {"grid": 10}}, 0.3),
+])
+def test_algorithm_lowers_output_error_vs_rtn(arch, fmt, algo, options, gain):
+    assert relative_logit_error(arch, fmt, algo, options) < gain * rtn_logit_error(arch, fmt)
+
+
+# ---------------------------------------------------------------- MSE scale search
+
+@pytest.mark.parametrize("fmt,gain", [("nvfp4", 0.97), ("mxfp4", 0.97), ("mxfp8", 0.97), ("fp8-block", 1.0)])
+def test_mse_search_never_worse_per_block(fmt, gain):
+    # FP8 with FP32 scales over 128x128 blocks: the relative rounding error does not depend on the
+    # scale, only clipping could help, and it does not on these weights (gain 1: never worse)
+    f = get_format(fmt)
+    w = torch.distributions.StudentT(3.0).sample((256, 256)) * 0.02
+    scale, ts = f.weight.compute_scales(w)
+    best, total = search_block_scales(f, w, scale, ts)
+    err_rtn = (w - qdq(f, w, scale, ts)).pow(2)
+    err_mse = (w - qdq(f, w, best, ts)).pow(2)
+    assert math.isclose(total, err_mse.sum().item(), rel_tol=1e-5)
+    assert err_mse.sum() <= gain * err_rtn.sum()
+    rows, cols = f.weight.block[0] or 256, f.weight.block[1] or 256
+    per_block = lambda e: e.reshape(256 // rows, rows, 256 // cols, cols).sum((1, 3))  # noqa: E731
+    assert (per_block(err_mse) <= per_block(err_rtn) + 1e-12).all()
+
+
+def test_mse_nvfp4_four_over_six():
+    # tensor scale 1 (amax 2688); block 1 holds 16, 12, 6: exact with the block max mapped to 4
+    # (scale 4: codes 4, 3, 1.5), not with RTN's scale e4m3(16/6) = 2.75
+    f = get_format("nvfp4")
+    w = torch.zeros(1, 32)
+    w[0, 0] = 2688.0
+    w[0, 16:19] = torch.tensor([16.0, 12.0, 6.0])
+    scale, ts = f.weight.compute_scales(w)
+    assert scale[0, 1].float().item() == 2.75
+    best, total = search_block_scales(f, w, scale, ts)
+    assert best[0, 1].float().item() == 4.0 and total == 0.0
+
+
+def test_mse_mx_exponent_up():
+    # OCP scale for amax 7.5 is 2**0: 7.5 saturates to 6; 2**1 gives 8 (error 0.5)
+    f = get_format("mxfp4")
+    w = torch.full((1, 32), 7.5)
+    scale, _ = f.weight.compute_scales(w)
+    best, _ = search_block_scales(f, w, scale, None)
+    assert int(best[0, 0]) == int(scale[0, 0]) + 1
+
+
+def test_mse_weighted_follows_activations():
+    # channel 0 is 100x more active: the weighted search trades error elsewhere for it
+    f = get_format("nvfp4")
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    importance = torch.ones(64)
+    importance[::16] = 1e4
+    scale, ts = f.weight.compute_scales(w)
+    plain, _ = search_block_scales(f, w, scale, ts)
+    weighted, _ = search_block_scales(f, w, scale, ts, importance)
+    err = lambda s: ((w - qdq(f, w, s, ts)).pow(2) * importance).sum()  # noqa: E731
+    assert err(weighted) < err(plain)
+
+
+# ---------------------------------------------------------------- GPTQ against a float64 reference
+
+def reference_gptq(w, h, steps, fp4, damp, order, dynamic=None):
+    """Textbook GPTQ/OBQ in float64, column by column, no blocking and no Cholesky: after rounding
+    column j, the error is spread with the explicit inverse Hessian, and j is eliminated from it.
+    ``dynamic(w, j)`` (optional) gives the steps of the scale block starting at j from current w."""
+    w, h = w.double().clone(), h.double().clone()
+    h += damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    hinv = torch.linalg.inv(h)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    grid = torch.cat([-grid.flip(0), grid]) if fp4 else None
+    q = torch.zeros_like(w)
+    for j in order:
+        if dynamic is not None:
+            steps = dynamic(w, j, steps)
+        x = w[:, j] / steps[:, j]
+        if fp4:
+            r = grid[(x[:, None] - grid[None]).abs().argmin(1)]
+        else:
+            r = x.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        q[:, j] = r * steps[:, j]
+        e = (w[:, j] - q[:, j]) / hinv[j, j]
+        w -= e[:, None] * hinv[j][None, :]
+        hinv -= torch.outer(hinv[:, j], hinv[j]) / hinv[j, j]
+    return q
+
+
+FP4 = ("nvfp4", "mxfp4")
+
+
+def reference_steps(fmt: str, scale: torch.Tensor, ts: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """float64 ``[N, K]`` factor of each element's grid value, from the format definitions."""
+    n, k = shape
+    if fmt == "nvfp4":
+        return (scale.double() * ts.double()).repeat_interleave(16, 1)
+    if fmt.startswith("mx"):
+        return torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
+    return scale.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+
+
+def same_values(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of equal elements (up to FP32 vs float64 products of scales)."""
+    return ((ours.double() - ref).abs() <= 1e-6 * ref.abs()).float().mean().item()
+
+
+def correlated_inputs(k: int, tokens: int = 1024) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    mix = torch.randn(k, k, generator=g) / math.sqrt(k) + torch.eye(k)
+    x = torch.randn(tokens, k, generator=g) @ mix
+    return x * torch.linspace(0.2, 3.0, k)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_matches_reference(fmt, act_order):
+    f = get_format(fmt)
+    n, k = (128, 256) if fmt == "fp8-block" else (32, 128)
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    x = correlated_inputs(k)
+    h = x.T @ x / x.shape[0]
+    scale, ts = f.weight.compute_scales(w)
+    quantizer = ColumnQuantizer(f, (n, k), scale, ts)
+    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, act_order=act_order)
+    order = torch.argsort(h.diagonal(), descending=True).tolist() if act_order else range(k)
+    ref = reference_gptq(w, h, reference_steps(fmt, scale, ts, (n, k)), fmt in FP4, 0.01, order)
+    assert same_values(ours, ref) > 0.99
+    # the objective GPTQ minimises, tr(E H Eᵀ), well below round-to-nearest's
+    obj = lambda q: torch.einsum("nk,kl,nl->", w.double() - q.double(), h.double(), w.double() - q.double()).item()  # noqa: E731
+    assert math.isclose(obj(ours), obj(ref), rel_tol=0.02)
+    assert obj(ours) < (0.6 if act_order else 0.85) * obj(qdq(f, w, scale, ts))
+    # the result is on the format's grid: packing it reproduces it (up to the last FP32 rounding)
+    assert same_values(f.quantize_weight(ours, scale, ts).dequantize(), ours) == 1.0
+
+
+def test_gptq_dynamic_scales_match_reference():
+    f = get_format("nvfp4")
+    n, k = 32, 128
+    torch.manual_seed(1)
+    w = torch.randn(n, k)
+    x = correlated_inputs(k)
+    h = x.T @ x / x.shape[0]
+    scale, ts = f.weight.compute_scales(w)
+    quantizer = ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax())
+    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, dynamic_scales=True)
+
+    def dynamic(cur, j, steps):
+        if j % 16 == 0:  # independent NVFP4 rule: e4m3(block amax / 6 / ts)
+            s = (cur[:, j:j + 16].abs().amax(1) / 6 / ts.double()).float().clamp(2 ** -6, 448)
+            s = s.to(torch.float8_e4m3fn).double() * ts.double()
+            steps = steps.clone()
+            steps[:, j:j + 16] = s[:, None]
+        return steps
+
+    ref = reference_gptq(w, h, reference_steps("nvfp4", scale, ts, (n, k)), True, 0.01, range(k), dynamic)
+    assert same_values(ours, ref) > 0.99
+    assert same_values(f.quantize_weight(ours, quantizer.scale, ts).dequantize(), ours) == 1.0
+
+
+def test_gptq_dead_inputs_get_zero_weight():
+    f = get_format("mxfp8")
+    w = torch.randn(16, 64)
+    x = correlated_inputs(64)
+    x[:, 5] = 0
+    h = x.T @ x / x.shape[0]
+    q = gptq_quantize(w, h, ColumnQuantizer(f, (16, 64), *f.weight.compute_scales(w)))
+    assert (q[:, 5] == 0).all() and (q[:, 4] != 0).any()
+
+
+# ---------------------------------------------------------------- recipes
+
+def test_recipes_combine_in_stage_order():
+    algos = build(Recipe.parse("nvfp4", "gptq+mse+awq").algorithms)
+    assert [a.name for a in algos] == ["awq", "mse", "gptq"]
+    assert [a.name for a in build(["smoothquant"])] == ["smoothquant", "rtn"]
+    with pytest.raises(ValueError, match="both choose the transform stage"):
+        build(["awq", "smoothquant"])
+    with pytest.raises(ValueError, match="act_order needs fixed scales"):
+        GPTQ(act_order=True, dynamic_scales=True)
+    assert isinstance(build(["mse"], {"mse": {"weighted": True}})[0], MSE)
+
+
+def test_default_recipes_build():
+    from quantkit.calibrate.recipe import DEFAULT_ALGORITHMS
+
+    for fmt, names in DEFAULT_ALGORITHMS.items():
+        get_format(fmt)
+        assert build(list(names))
