@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantkit.calibrate import CalibrationError, Recipe, quantize
 from quantkit.calibrate.distributed import all_reduce_, all_reduce_sum, init_from_env, is_main, shard, world
+from quantkit.calibrate.observers import InputObserver
 from quantkit.export import save
 
 WORLD = 2
@@ -60,6 +61,22 @@ def calibrate_cases(out: Path) -> None:
             save(model.to(torch.bfloat16), out / case)
 
 
+def check_reduced_stats(rank: int) -> None:
+    """Each rank observes its own number of tokens; the reduced statistics are those of all of
+    them (float64 reference)."""
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(3 + 4 * r, 8, generator=g) * (1 + r) for r in range(WORLD)]
+    linear = torch.nn.Linear(8, 4)
+    observer = InputObserver(linear, hessian=True)
+    linear(parts[rank])
+    stats = observer.finish()
+    x = torch.cat(parts).double()
+    assert stats.tokens == x.shape[0]
+    assert torch.equal(stats.channel_amax, x.abs().amax(0).float()) and stats.amax == x.abs().max().float()
+    torch.testing.assert_close(stats.channel_mean_abs.double(), x.abs().mean(0), rtol=1e-7, atol=0)
+    torch.testing.assert_close(stats.hessian.double(), x.T @ x / x.shape[0], rtol=1e-7, atol=1e-7)
+
+
 def worker(rank: int, port: int, out: Path) -> None:
     """One ``torchrun``-style rank: environment variables, then :func:`init_from_env`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -70,6 +87,7 @@ def worker(rank: int, port: int, out: Path) -> None:
         assert shard(list(range(5))) == list(range(5))[rank::WORLD]
         maxed = all_reduce_(torch.tensor([float(rank), -float(rank)]), "max")
         assert maxed.tolist() == [WORLD - 1.0, 0.0] and all_reduce_sum(rank + 0.5) == sum(r + 0.5 for r in range(WORLD))
+        check_reduced_stats(rank)
         calibrate_cases(out)
     finally:
         dist.destroy_process_group()

@@ -62,6 +62,9 @@ class InputObserver:
         sums = all_reduce_(torch.cat([self.abs_sum, self.abs_sum.new_tensor([self.tokens])]))
         tokens = int(sums[-1].item())
         n = max(tokens, 1)
-        hessian = None if self.outer_sum is None else all_reduce_(self.outer_sum).div_(n).float()
+        hessian = None
+        if self.outer_sum is not None:
+            hessian = all_reduce_(self.outer_sum).div_(n).float()
+            self.outer_sum = None  # the float64 sum is not needed beside the FP32 mean
         mean_abs = (sums[:-1] / n).float()
         return InputStats(self.channel_amax.max(), self.channel_amax, mean_abs, hessian, tokens)
