@@ -80,10 +80,12 @@ def test_wikitext_offline_equals_fp64_rolling_reference(model, tok, data_dir):
     assert got["bits_per_byte"].value == pytest.approx(-ll / n_bytes / math.log(2), rel=1e-4)
 
 
-def test_limit_takes_the_first_documents(model, tok, data_dir):
-    scores = accuracy.evaluate_tasks(model, tok, ["lambada_openai"], name="tiny", data_dir=data_dir, limit=2)
+def test_limit_takes_the_first_documents_per_task(model, tok, data_dir):
+    scores = accuracy.evaluate_tasks(
+        model, tok, ["lambada_openai", "wikitext"], name="tiny", data_dir=data_dir, limit={"lambada_openai": 2, "wikitext": 1}
+    )
     _, ppl = lambada_reference(model, tok, LAMBADA_TEXTS[:2])
-    assert scores.samples == {"lambada_openai": 2}
+    assert scores.samples == {"lambada_openai": 2, "wikitext": 1}
     assert scores.metrics["lambada_openai"]["perplexity"].value == pytest.approx(ppl, rel=1e-4)
 
 

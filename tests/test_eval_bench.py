@@ -67,6 +67,7 @@ def test_layer0_linears_are_the_models_gemm_shapes():
 
 
 def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
+    pytest.importorskip("matplotlib")
     bench_command(
         target="nvfp4",
         random_init="tiny-llama",
@@ -108,3 +109,42 @@ def test_layer0_linears_finds_quantlinear_layers():
     kinds = {name: type(m).__name__ for name, m in bench.layer0_linears(model).items()}
     assert kinds.pop("lm_head") == "Linear"
     assert set(kinds.values()) == {"QuantLinear"}
+
+
+def _full_recompute_greedy(model, prompt, n):
+    """Greedy continuation of ``prompt`` by re-running the whole sequence each step (no cache)."""
+    seq = prompt
+    for _ in range(n):
+        seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq[:, prompt.shape[1]:]
+
+
+@torch.inference_mode()
+def test_greedy_decoder_continues_like_a_full_recompute():
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
+    prompt = torch.randint(0, 1024, (3, 12), generator=torch.Generator().manual_seed(0))
+    step, tokens = bench.greedy_decoder(model, prompt, max_cache_len=20)
+    got = [tokens.clone()]
+    for _ in range(5):
+        step()
+        got.append(tokens.clone())
+    assert torch.equal(torch.cat(got, dim=1), _full_recompute_greedy(model, prompt, 6))
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_decode_cuda_graph_replays_equal_eager_steps():
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cuda")
+    prompt = torch.randint(0, 1024, (4, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    eager_step, eager_tokens = bench.greedy_decoder(model, prompt, max_cache_len=40)
+    eager = []
+    for _ in range(10):
+        eager_step()
+        eager.append(eager_tokens.clone())
+    step, tokens = bench.greedy_decoder(model, prompt, max_cache_len=40)
+    graph = bench.capture_graph(step, warmup=3)
+    replayed = []
+    for _ in range(7):
+        graph.replay()
+        replayed.append(tokens.clone())
+    assert torch.equal(torch.cat(replayed, 1), torch.cat(eager[3:], 1))

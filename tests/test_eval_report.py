@@ -9,9 +9,11 @@ import pytest
 import torch
 from test_eval_fixtures import LAMBADA_TEXTS, lambada_reference, tiny_llama, tiny_tokenizer, write_data_dir
 
-from quantkit.eval.accuracy import Metric, TaskScores
-from quantkit.eval.commands import eval_command
-from quantkit.eval.report import compare, recovery_percent, write_eval_report
+pytest.importorskip("lm_eval")
+pytest.importorskip("matplotlib")
+from quantkit.eval.accuracy import Metric, TaskScores  # noqa: E402
+from quantkit.eval.commands import eval_command  # noqa: E402
+from quantkit.eval.report import compare, recovery_percent, write_eval_report  # noqa: E402
 
 
 def test_recovery_is_oriented_so_100_means_no_loss():

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 from test_eval_fixtures import LAMBADA_TEXTS, SHARED_DATA, write_data_dir
 
-from quantkit.eval.tasks import OFFLINE_TASKS, find_data_file, offline_task_config, task_specs, upstream_config
-from quantkit.eval.tasks.documents import read_lambada, read_wikitext_lines, read_wikitext_pages
+pytest.importorskip("lm_eval")
+from quantkit.eval.tasks import OFFLINE_TASKS, find_data_file, offline_task_config, task_specs, upstream_config  # noqa: E402
+from quantkit.eval.tasks.documents import read_lambada, read_wikitext_lines, read_wikitext_pages  # noqa: E402
 
 DATA_FIELDS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset", "training_split", "validation_split"}
 

@@ -15,7 +15,7 @@ is the ``lm_eval`` command line with that class registered.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,36 +106,38 @@ def evaluate_tasks(
     *,
     name: str,
     data_dir: Path | None = None,
-    limit: int | None = None,
+    limit: int | Mapping[str, int] | None = None,
     batch_size: int = 1,
     max_length: int | None = None,
     seq_len: int = 2048,
 ) -> TaskScores:
     """Score ``model`` on ``tasks`` (zero-shot, lm-eval's defaults otherwise).
 
-    ``limit`` caps the documents per task (the first ``limit``; for ``wikitext2_ppl``, windows of
-    ``seq_len`` tokens); ``max_length`` overrides the context lm-eval gives the model (default:
-    the model config's); ``data_dir`` switches offline tasks to local files.
+    ``limit`` caps the documents of every task, or of the tasks a mapping names (the first
+    ``limit``; for ``wikitext2_ppl``, windows of ``seq_len`` tokens); ``max_length`` overrides the
+    context lm-eval gives the model (default: the model config's); ``data_dir`` switches offline
+    tasks to local files.
     """
+    limits = dict(limit) if isinstance(limit, Mapping) else {task: limit for task in tasks}
     metrics: dict[str, dict[str, Metric]] = {}
     samples: dict[str, int] = {}
     harness_tasks = [task for task in tasks if task != PERPLEXITY_TASK]
     if harness_tasks:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-        specs = task_specs(harness_tasks, data_dir)
+    for task in harness_tasks:
+        specs = task_specs([task], data_dir)
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=specs, limit=limit, task_manager=_task_manager(specs), log_samples=False
+            model=lm, tasks=specs, limit=limits.get(task), task_manager=_task_manager(specs), log_samples=False
         )
-        for task in out["results"]:
-            metrics[task] = _parse_results(out, task)
-            samples[task] = int(out["n-samples"][task]["effective"])
+        for result in out["results"]:
+            metrics[result] = _parse_results(out, result)
+            samples[result] = int(out["n-samples"][result]["effective"])
     if PERPLEXITY_TASK in tasks:
         ppl = wikitext2_perplexity(
-            model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size, max_windows=limit
+            model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size,
+            max_windows=limits.get(PERPLEXITY_TASK),
         )
-        metrics[PERPLEXITY_TASK] = {
-            "token_perplexity": Metric(ppl.value, None, higher_is_better=False)
-        }
+        metrics[PERPLEXITY_TASK] = {"token_perplexity": Metric(ppl.value, None, higher_is_better=False)}
         samples[PERPLEXITY_TASK] = ppl.windows
     return TaskScores(model=name, metrics=metrics, samples=samples)
 

@@ -8,7 +8,8 @@
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
   ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models.
 
-Times are medians over ``iters`` runs after ``warmup`` runs; CUDA times come from CUDA events.
+Times are medians over ``iters`` runs after ``warmup`` runs; CUDA times come from CUDA events,
+each run starting with a flushed L2.
 :func:`random_init_model` builds a model from a shipped or given HF config with random bf16
 weights, directly on the device, so the speed of real architectures is measured with no download.
 """
@@ -18,7 +19,7 @@ import inspect
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,15 +124,21 @@ def random_init_model(
     return model.eval()
 
 
+_L2_FLUSH_BYTES = 256 * 2**20  # more than any current GPU's L2 (H200: 60 MB)
+
+
 def time_call(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device) -> float:
-    """Median seconds of one ``fn()`` call over ``iters`` timed calls after ``warmup`` untimed ones."""
+    """Median seconds of one ``fn()`` call over ``iters`` timed calls after ``warmup`` untimed ones.
+    On CUDA each timed call starts with a cold L2 (a 256 MiB buffer is zeroed before it), so
+    small quantized weights are not timed from cache; host launch overhead is included."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device)
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
             start.record()
             fn()
             end.record()
@@ -173,8 +180,8 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _capture(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph:
-    """``step`` warmed up on a side stream, then captured as a CUDA graph."""
+def capture_graph(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph:
+    """``step`` run ``warmup`` times on a side stream, then captured as a CUDA graph (not run)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -187,6 +194,25 @@ def _capture(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def greedy_decoder(
+    model: PreTrainedModel, prompt: torch.Tensor, max_cache_len: int
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """Prefill ``prompt`` [B, T] (int64) into a static KV cache of ``max_cache_len`` positions and
+    return ``(step, tokens)``: ``tokens`` [B, 1] starts as the greedy token after the prompt, and
+    each ``step()`` feeds it and overwrites it in place with the next greedy token. Every tensor
+    ``step`` touches stays put, so it can be captured as a CUDA graph (call under
+    ``torch.inference_mode()``)."""
+    cache_arg = {_cache_kwarg(model): StaticCache(config=model.config, max_cache_len=max_cache_len)}
+    logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_arg).logits
+    tokens = logits[:, -1].argmax(-1, keepdim=True)
+
+    def step() -> None:
+        logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_arg).logits
+        tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+    return step, tokens
+
+
 @torch.inference_mode()
 def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[DecodeResult]:
     """Decode throughput at each of ``settings.decode_batches``."""
@@ -194,19 +220,11 @@ def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[Decode
     results = []
     for batch in settings.decode_batches:
         max_len = settings.context + 2 * settings.warmup + settings.decode_steps + 1  # capture may fail after its warm-up
-        cache = StaticCache(config=model.config, max_cache_len=max_len)
-        cache_arg = {_cache_kwarg(model): cache}
-        model(input_ids=_random_tokens(model, batch, settings.context), use_cache=True, logits_to_keep=1, **cache_arg)
-        tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-
-        def step() -> None:
-            logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_arg).logits
-            tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
-
+        step, _ = greedy_decoder(model, _random_tokens(model, batch, settings.context), max_len)
         run, graph, note = step, False, None
         if device.type == "cuda" and settings.cuda_graphs:
-            try:  # warm-up steps run inside _capture; a captured step advances the cache on replay only
-                run, graph = _capture(step, settings.warmup).replay, True
+            try:  # warm-up steps run inside capture_graph; a captured step advances the cache on replay only
+                run, graph = capture_graph(step, settings.warmup).replay, True
             except RuntimeError as error:
                 note = f"CUDA graph capture failed, eager steps: {str(error).splitlines()[0][:160]}"
         if not graph:

@@ -76,12 +76,19 @@ def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any
     return load
 
 
+def _limits(text: str | None) -> int | dict[str, int] | None:
+    """``--limit``: ``"500"`` -> 500; ``"lambada_openai=500,wikitext=10"`` -> a mapping by task."""
+    if text is None or "=" not in text:
+        return None if text is None else int(text)
+    return {task.strip(): int(n) for task, n in (item.split("=") for item in _csv(text))}
+
+
 def eval_command(
     target: Annotated[str, typer.Argument(help="Model to evaluate: a quantkit checkpoint dir, an HF dir, a hub id or 'demo'.")],
     baseline: Annotated[Optional[str], typer.Option("--baseline", "-b", help="Model to compare against (same kinds as TARGET). Default: TARGET itself when --format is given, else none.")] = None,
     formats: Annotated[Optional[str], typer.Option("--format", "-f", help="Quantize TARGET in memory (RTN, no calibration) to each of these comma-separated formats, e.g. nvfp4,fp8-block,mxfp8, and evaluate each.")] = None,
     tasks: Annotated[str, typer.Option("--tasks", "-t", help="Comma-separated lm-eval task names, plus 'wikitext2_ppl' (GPTQ-style token perplexity).")] = "lambada_openai,wikitext",
-    limit: Annotated[Optional[int], typer.Option(help="Evaluate only the first N documents of each task (windows for wikitext2_ppl).")] = None,
+    limit: Annotated[Optional[str], typer.Option(help="Evaluate only the first N documents of each task (windows for wikitext2_ppl): N, or TASK=N,... per task.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Directory holding lambada_test.jsonl / wiki.test.raw (any depth): run lambada_openai, wikitext and wikitext2_ppl offline.")] = None,
@@ -97,7 +104,7 @@ def eval_command(
 
       quantkit eval ./llama-nvfp4 --baseline meta-llama/Llama-3.1-8B
 
-      quantkit eval demo --format nvfp4,fp8-block,mxfp8 --data-dir ../shared/data --limit 500
+      quantkit eval demo --format nvfp4,fp8-block,mxfp8 --data-dir ../shared/data --limit lambada_openai=500,wikitext=10
 
       quantkit eval ./llama-nvfp4 --check-kernels
     """
@@ -127,13 +134,14 @@ def eval_command(
     from quantkit.eval.accuracy import evaluate_tasks
 
     task_list = _csv(tasks)
+    limits = _limits(limit)
     base_source = baseline or (target if fmts else None)
     base_name = "bf16" if base_source == target else base_source
 
     def score(name: str, load: Callable[[], tuple[Any, Any]]):
         console.print(f"[bold]evaluating {name}[/] on {', '.join(task_list)}")
         model, tokenizer = load()
-        result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limit,
+        result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limits,
                                 batch_size=batch_size, max_length=max_length, seq_len=seq_len)
         del model
         _free(device)

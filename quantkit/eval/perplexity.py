@@ -20,7 +20,7 @@ from quantkit.eval.tasks import find_data_file
 from quantkit.eval.tasks.documents import read_wikitext_lines
 
 PERPLEXITY_TASK = "wikitext2_ppl"
-_LOSS_CHUNK = 512  # positions whose logits are upcast to FP32 at once (vocabularies reach 262k)
+_LOSS_CHUNK = 256  # positions whose logits are upcast to FP32 at once (vocabularies reach 262k)
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,13 @@ def window_nll(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     tokens before them, natural log, summed in FP64 -> [B] float64."""
     logits = model(input_ids=input_ids.to(model_device(model))).logits[:, :-1]  # [B, T-1, V]
     targets = input_ids[:, 1:].to(logits.device)
-    nll = torch.zeros(input_ids.shape[0], dtype=torch.float64, device=logits.device)
-    for start in range(0, targets.shape[1], _LOSS_CHUNK):
-        chunk = logits[:, start : start + _LOSS_CHUNK].float()
-        target = targets[:, start : start + _LOSS_CHUNK]
-        losses = torch.nn.functional.cross_entropy(chunk.transpose(1, 2), target, reduction="none")
-        nll += losses.double().sum(dim=1)
-    return nll.cpu()
+    nll = torch.zeros(input_ids.shape[0], dtype=torch.float64)
+    for row in range(logits.shape[0]):
+        for start in range(0, targets.shape[1], _LOSS_CHUNK):
+            chunk = logits[row, start : start + _LOSS_CHUNK].float()
+            loss = torch.nn.functional.cross_entropy(chunk, targets[row, start : start + _LOSS_CHUNK], reduction="sum")
+            nll[row] += loss.double().item()
+    return nll
 
 
 def chunked_perplexity(

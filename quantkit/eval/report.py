@@ -83,8 +83,11 @@ def _with_err(value: float | None, stderr: float | None) -> str:
 def eval_tables(
     rows: Sequence[ComparisonRow], baseline: TaskScores | None, checks: Sequence[KernelCheck]
 ) -> dict[str, TableData]:
-    """The eval report's tables by title: accuracy (and baseline), kernel checks."""
+    """The eval report's tables by title: accuracy (one row per task metric and model, the models
+    of a metric together), kernel checks."""
     tables: dict[str, TableData] = {}
+    first_seen = {key: i for i, key in reversed(list(enumerate((r.task, r.metric) for r in rows)))}
+    rows = sorted(rows, key=lambda r: first_seen[(r.task, r.metric)])
     if rows or baseline:
         headers = ["task", "metric", "model", "value", "baseline", "delta", "recovery %"]
         cells = [
