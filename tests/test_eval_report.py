@@ -64,6 +64,7 @@ def tiny_sources(monkeypatch):
         return model, tok
 
     fake.load_model = load_model
+    fake.ModelLoadError = ValueError
     monkeypatch.setitem(sys.modules, "quantkit.models", fake)
     return reference, tok
 

@@ -59,14 +59,23 @@ def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
     }
 
 
+def _load_model(source: str, device: str) -> tuple[Any, Any]:
+    """``quantkit.models.load_model``; a model that cannot be loaded ends the command with its reason."""
+    from quantkit.models import ModelLoadError, load_model
+
+    try:
+        return load_model(source, device=device)
+    except ModelLoadError as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(2) from None
+
+
 def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any, Any]]:
     """A function returning ``(model, tokenizer)`` of ``source`` on ``device``, quantized in memory
     (RTN) to ``fmt`` when one is given."""
 
     def load():
-        from quantkit.models import load_model
-
-        model, tokenizer = load_model(source, device=device)
+        model, tokenizer = _load_model(source, device)
         if fmt is not None:
             import quantkit
 
@@ -215,13 +224,11 @@ def bench_command(
 
         targets = [(fmt, lambda fmt=fmt: build(fmt)) for fmt in _csv(target)]
     else:
-        from quantkit.models import load_model
-
         config = None
 
         def load_target():
             nonlocal config
-            model = load_model(target, device=device)[0]
+            model = _load_model(target, device)[0]
             config = model.config
             return model
 
