@@ -25,9 +25,9 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _progress() -> Progress:
+def _progress(enabled: bool = True) -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=False)
+                    TimeElapsedColumn(), console=console, transient=False, disable=not enabled)
 
 
 def _summary(report, seconds: float) -> Table:
@@ -62,21 +62,28 @@ def quantize(
     """Quantize MODEL and write a checkpoint vLLM loads.
 
     Example: quantkit quantize demo --format nvfp4 --out /tmp/q
+
+    Data-parallel on the GPUs of one host (rank 0 writes the checkpoint):
+    torchrun --nproc-per-node 2 -m quantkit.cli quantize MODEL --out /tmp/q
     """
     import torch
+    import torch.distributed as dist
 
     from quantkit.calibrate import Recipe
     from quantkit.calibrate import quantize as run_quantize
     from quantkit.calibrate.data import load_texts, token_samples
+    from quantkit.calibrate.distributed import init_from_env, is_main
     from quantkit.export import FLAVOURS, save
     from quantkit.models import load_model
 
     start = time.time()
+    parallel = init_from_env()  # under torchrun: one rank per GPU, each calibrates on its shard of the batches
+    writer = is_main()  # rank 0 (or the only process) writes and prints
     try:
         recipe = Recipe.parse(format, algo, ignore)
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
-        with _progress() as bars:
+        with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")
             source_bytes = next(lm.parameters()).element_size()
@@ -97,11 +104,17 @@ def quantize(
             bars.update(task, total=bars.tasks[task].total or 1, completed=bars.tasks[task].total or 1)
             for r in report.quantized:  # sizes against the checkpoint's own dtype, not the FP32 working copy
                 r.bytes_before = math.prod(r.shape) * source_bytes
-            task = bars.add_task(f"writing {out}", total=None)
-            save(lm.to(torch.bfloat16), out, export=export, tokenizer=tokenizer)
-            bars.update(task, total=1, completed=1)
+            if writer:
+                task = bars.add_task(f"writing {out}", total=None)
+                save(lm.to(torch.bfloat16), out, export=export, tokenizer=tokenizer)
+                bars.update(task, total=1, completed=1)
     except (ValueError, RuntimeError, OSError) as err:
         fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    finally:
+        if parallel:
+            dist.destroy_process_group()
+    if not writer:
+        return
     console.print(_summary(report, time.time() - start))
     console.print(f"wrote {out} ({export})")
 
@@ -140,3 +153,7 @@ _register_eval_commands()
 
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
+
+
+if __name__ == "__main__":  # python -m quantkit.cli (torchrun -m quantkit.cli)
+    main()

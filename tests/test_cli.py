@@ -77,3 +77,21 @@ def test_interrupted_run_leaves_no_output(model_dir, tmp_path, monkeypatch):
     res = run("quantize", model_dir, "--out", out, "--samples", 2, "--seq-len", 16)
     assert res.exit_code == 2 and "interrupted during calibration" in res.output
     assert not out.exists() and not any(tmp_path.iterdir())
+
+
+def test_torchrun_data_parallel_writes_the_same_checkpoint(model_dir, tmp_path):
+    import filecmp
+    import subprocess
+    import sys
+
+    args = ["quantize", str(model_dir), "--format", "nvfp4", "--samples", "4", "--seq-len", "32", "--batch-size", "2"]
+    assert run(*args, "--out", tmp_path / "one").exit_code == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           "-m", "quantkit.cli", *args, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = sorted(p.name for p in (tmp_path / "one").iterdir()), sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert one == two
+    weights = [f for f in one if f.endswith((".safetensors", ".json")) and not f.startswith("tokenizer")]
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "one", tmp_path / "two", weights, shallow=False)
+    assert "model.safetensors" in match and not mismatch and not errors  # tokenizer metadata may differ
