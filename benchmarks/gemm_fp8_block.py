@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from quantkit.formats import fp8
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.sm90 import act_quant as aq
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg
+from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
 
 L2_BYTES = 60 << 20
 SQUARE = [(8192, 8192, 8192)]
@@ -32,28 +32,6 @@ CANDIDATES = [
     fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
 TUNE_M = (1, 16, 64, 128, 512, 4096)
-
-
-def time_us(fns: list, reps: int = 15) -> float:
-    """Median µs per call of the callables ``fns`` (one graph runs each once), over graph replays."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return statistics.median(times)
 
 
 def gemm_f64(xq, xs, wq, ws):
@@ -102,7 +80,7 @@ class Problem:
 
     def ours(self, cfg: fbg.TileConfig | None, epilogue: Epilogue = Epilogue(), bias=None) -> float:
         cfg = cfg or fbg.pick_config(self.m, self.n, self.k, epilogue)
-        return time_us([
+        return graph_median_us([
             (lambda i=i: fbg.fp8_block_gemm(self.xq[i][0], self.xs_tma[i], *self.wq[i], epilogue, bias, config=cfg))
             for i in range(self.copies)
         ])
@@ -110,7 +88,7 @@ class Problem:
     def bf16(self) -> float:
         xb = [x.to(torch.bfloat16) for x in self.x]
         wb = [w.to(torch.bfloat16) for w in self.w]
-        return time_us([(lambda i=i: torch.nn.functional.linear(xb[i], wb[i])) for i in range(self.copies)])
+        return graph_median_us([(lambda i=i: torch.nn.functional.linear(xb[i], wb[i])) for i in range(self.copies)])
 
     def scaled_mm_rowwise(self) -> float:
         xr = [fp8.quantize(x, (1, 0)) for x in self.x]
@@ -118,7 +96,7 @@ class Problem:
         fns = [(lambda i=i: torch._scaled_mm(xr[i][0], wr[i][0].t(), scale_a=xr[i][1], scale_b=wr[i][1].t(),
                                              out_dtype=torch.bfloat16)) for i in range(self.copies)]
         try:
-            return time_us(fns)
+            return graph_median_us(fns)
         except RuntimeError:
             return float("nan")
 
@@ -179,7 +157,7 @@ def main() -> None:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):
-            t = time_us([(lambda xi=xi: aq.act_quant(xi, w if rms else None)) for xi in x])
+            t = graph_median_us([(lambda xi=xi: aq.act_quant(xi, w if rms else None)) for xi in x])
             gbs = 3 * m * k / t / 1e3
             results["act_quant"].append(dict(m=m, k=k, rmsnorm=rms, us=t, gb_per_s=gbs))
             print(f"act_quant M={m:5d} K={k:6d} rmsnorm={rms}: {t:8.1f} us {gbs:7.1f} GB/s", flush=True)

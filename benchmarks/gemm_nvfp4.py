@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
+from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
 
 SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -165,35 +165,6 @@ def run_check(fh) -> bool:
 
 
 # ----------------------------------------------------------------------------------- bench
-def bench_graph(fn_list, reps=15) -> float:
-    """Median µs per call of ``fn_list`` (called round-robin, one per input copy) from CUDA-graph
-    replays of one pass over the list."""
-    for f in fn_list:  # warm up: compile, allocate workspaces
-        f()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fn_list:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fn_list:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fn_list))
-    return statistics.median(times)
-
-
 def copies_for(nbytes: int) -> int:
     return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
 
@@ -258,7 +229,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     for cname, (fns, wbytes) in contenders.items():
                         timer = watchdog(300, f"bench {cname} {res['shape']} m={m}")
                         try:
-                            us = bench_graph(fns)
+                            us = graph_median_us(fns)
                             res[cname] = us
                             res[cname + "_tbs"] = (wbytes + io_bytes) / us / 1e6
                         except Exception:  # noqa: BLE001
@@ -290,7 +261,7 @@ def run_variants(shapes, fh):
                                    ("batched", dataclasses.replace(base, batched=True)),
                                    ("pdl+batched", dataclasses.replace(base, pdl=True, batched=True))):
                     try:
-                        row[label] = bench_graph([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps])
+                        row[label] = graph_median_us([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps])
                     except Exception:  # noqa: BLE001
                         log(f"VARIANT ERROR {label} {row['shape']}: {traceback.format_exc(limit=2)}", fh)
                 rows.append(row)
@@ -349,7 +320,7 @@ def run_tune(fh, deadline):
                             fns = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
                         else:
                             fns = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
-                        times[cfg] = bench_graph(fns, reps=9)
+                        times[cfg] = graph_median_us(fns, reps=9)
                     except Exception:  # noqa: BLE001
                         log(f"TUNE ERROR {mode} {cfg}: {traceback.format_exc(limit=2)}", fh)
                     timer.cancel()

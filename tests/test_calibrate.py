@@ -117,7 +117,7 @@ def test_embedded_corpus_and_local_files(tmp_path):
     ids = token_samples(load_texts(tmp_path), CharTokenizer(), num_samples=3, seq_len=10, seed=1)
     assert ids.shape == (3, 10) and ids.dtype == torch.long
     stream = token_samples(load_texts(tmp_path), CharTokenizer(), num_samples=1, seq_len=1000, seed=1)[0].tolist()
-    assert 1 in stream  # passages are joined with EOS
+    assert CharTokenizer.eos_token_id in stream  # passages are joined with EOS
 
 
 def test_bad_calibration_data_errors(tmp_path):

@@ -1,0 +1,34 @@
+"""Shared timing for the GPU benchmarks: median µs per call from CUDA-graph replays."""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def graph_median_us(fns: list[Callable[[], object]], reps: int = 15) -> float:
+    """Median µs per call of ``fns`` (each called once per replay, e.g. one per rotated input copy),
+    from ``reps`` CUDA-graph replays timed with events after a warm-up pass on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture stream: compile, allocate workspaces
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return statistics.median(times)
