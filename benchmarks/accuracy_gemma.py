@@ -100,7 +100,7 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=300, help="LAMBADA docs (0: perplexity only)")
     p.add_argument("--calib", default=None, help="calibration source (quantkit.calibrate.data); default: embedded corpus")
     p.add_argument("--calib-samples", type=int, default=16)
-    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--options", default="{}", help='JSON per-algorithm options, e.g. {"mse": {"weighted": true}}')
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
@@ -136,7 +136,8 @@ def main() -> None:
             recipe = Recipe(fmt, options=options) if algo == "default" else Recipe.parse(fmt, algo, options=options)
             model = copy.deepcopy(base)
             t = time.time()
-            quantize(model, recipe, calib, batch_size=8)
+            with torch.no_grad():
+                quantize(model, recipe, calib, batch_size=8)
             record(key, model, time.time() - t, "+".join(recipe.algorithms))
             del model
     print(markdown(results))

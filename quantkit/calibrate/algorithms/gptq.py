@@ -7,11 +7,12 @@ As in the reference implementation, the sweep uses the upper Cholesky factor ``U
 remaining columns; updates are applied lazily per block of ``block_size`` columns.
 
 Every format is a grid of element values (E2M1 or E4M3) times a per-element step derived from its
-scales, so one sweep serves them all. Scales are those of the ``scales`` stage (MSE) or
-round-to-nearest, fixed before the sweep; with ``dynamic_scales`` each scale block is instead
-given its round-to-nearest scale from the already-updated weights when the sweep reaches it (the
-reference implementation's groups; NVFP4 keeps its fused-group tensor scale). ``act_order``
-sweeps the columns in order of decreasing ``diag H`` (fixed scales only).
+scales, so one sweep serves them all. Scales chosen by a ``scales`` stage algorithm (MSE) stay
+fixed; otherwise, with ``dynamic_scales`` (default), each scale block gets its round-to-nearest
+scale from the already-updated weights when the sweep reaches it (the reference implementation's
+groups; NVFP4 keeps its fused-group tensor scale), else the round-to-nearest scales of the
+original weights are fixed before the sweep. ``act_order`` sweeps the columns in order of
+decreasing ``diag H``, with fixed scales.
 """
 from __future__ import annotations
 
@@ -115,25 +116,25 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, quantizer: ColumnQuant
 
 class GPTQ(Algorithm):
     """Round stage: GPTQ per Linear (see the module doc). ``damp`` (0.01), ``block_size`` (128),
-    ``act_order`` (False), ``dynamic_scales`` (False)."""
+    ``act_order`` (False), ``dynamic_scales`` (True)."""
 
     name = "gptq"
     stage = "round"
     needs_hessian = True
 
     def __init__(self, damp: float = 0.01, block_size: int = 128, act_order: bool = False,
-                 dynamic_scales: bool = False):
-        if act_order and dynamic_scales:
-            raise ValueError("gptq: act_order needs fixed scales (dynamic_scales=False)")
+                 dynamic_scales: bool = True):
         self.damp, self.block_size, self.act_order, self.dynamic_scales = damp, block_size, act_order, dynamic_scales
 
     @torch.no_grad()
     def apply(self, ctx: LayerContext) -> None:
         for name, linear in ctx.linears.items():
             w = linear.weight.detach().float()
+            chosen = name in ctx.scales  # by a scales-stage algorithm
             scale, tensor_scale = ctx.rtn_scales(name)
             quantizer = ColumnQuantizer(ctx.fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name])
-            dynamic = self.dynamic_scales and self.block_size % quantizer.width == 0
+            dynamic = (self.dynamic_scales and not chosen and not self.act_order
+                       and self.block_size % quantizer.width == 0)
             q = gptq_quantize(w, ctx.stats[name].hessian, quantizer, damp=self.damp, block_size=self.block_size,
                               act_order=self.act_order, dynamic_scales=dynamic)
             ctx.qweights[name] = ctx.fmt.quantize_weight(q, quantizer.scale, tensor_scale)

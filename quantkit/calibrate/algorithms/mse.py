@@ -6,13 +6,15 @@ Candidates, by the block-scale type of the format:
 - E4M3 block scales (NVFP4): the E4M3 codes ``-1 … +6`` steps around the round-to-nearest scale.
   ``+4``/``+5`` (×1.5) is "4 over 6": the block max lands on the grid point 4 instead of 6, which
   often fits the block's values better; negative steps clip the block max. The FP32 tensor scale
-  shared by a fused group is searched too, over ``tensor_scale_steps`` points of one octave (a
-  factor 2 shifts every E4M3 scale by an exact power of two and changes nothing).
+  shared by a fused group can be searched too, over ``tensor_scale_steps`` points of one octave
+  (a factor 2 shifts every E4M3 scale by an exact power of two and changes nothing); off by
+  default: on Gemma-3-270M NVFP4, 4 steps gave a lower weight error but not a lower perplexity.
 - E8M0 block scales (MX): the exponent ``-1, 0, +1`` around the OCP one.
 - FP32 block scales (FP8): ``amax/448`` times shrink factors ``1, 0.98, …, 0.82``.
 
-``weighted``: weight the error of input channel ``k`` by the activation second moment
-``E[x_k²]`` (the Hessian diagonal when the recipe collects it, else ``mean|x_k|²``).
+``weighted`` (default): weight the error of input channel ``k`` by the activation second moment
+``E[x_k²]`` (the Hessian diagonal when the recipe collects it, else ``mean|x_k|²``); on
+Gemma-3-270M NVFP4 it lowers WikiText-2 perplexity 35.6 → 34.4 (docs/accuracy.md).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class MSE(Algorithm):
     name = "mse"
     stage = "scales"
 
-    def __init__(self, weighted: bool = False, tensor_scale_steps: int = 1):
+    def __init__(self, weighted: bool = True, tensor_scale_steps: int = 1):
         self.weighted, self.tensor_scale_steps = weighted, tensor_scale_steps
 
     def _importance(self, ctx: LayerContext, name: str) -> torch.Tensor | None:
