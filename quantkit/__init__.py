@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quantkit._lazy import lazy_getattr
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -31,12 +33,6 @@ if TYPE_CHECKING:
     from quantkit.nn import QuantLinear, quantize_model
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'quantkit' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = list(_LAZY)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quantkit._lazy import lazy_getattr
+
 _LAZY = {
     "evaluate_tasks": "quantkit.eval.accuracy",
     "TaskScores": "quantkit.eval.accuracy",
@@ -37,12 +39,6 @@ if TYPE_CHECKING:
     from quantkit.eval.report import write_bench_report, write_eval_report
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'quantkit.eval' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = list(_LAZY)
