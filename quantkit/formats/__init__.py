@@ -5,19 +5,26 @@ name               weights                                     activations
 =================  ==========================================  ==========================================
 ``nvfp4``          E2M1, E4M3 scale / 16, FP32 tensor scale    NVFP4, dynamic blocks, static tensor scale
 ``nvfp4-w4a16``    as nvfp4                                    bf16 (not quantized)
+``nvfp4-w4a8``     as nvfp4; on the fly: E4M3 per weight,          E4M3, FP32 scale / token, dynamic, when
+                   E4M3 block scale × row power of two             ``w4a8.use_w4a8(M, N')``; else bf16
 ``mxfp8``          E4M3, E8M0 scale / 32                       MXFP8, dynamic
 ``mxfp4``          E2M1, E8M0 scale / 32                       MXFP4, dynamic
 ``fp8-block``      E4M3, FP32 scale / 128×128                  E4M3, FP32 scale / 1×128, dynamic
 ``fp8-dynamic``    E4M3, FP32 scale / output channel           E4M3, FP32 scale / token, dynamic
 ``fp8``            E4M3, FP32 scale / tensor                   E4M3, FP32 scale / tensor, static
 =================  ==========================================  ==========================================
+
+``nvfp4-w4a8`` stores exactly the ``nvfp4-w4a16`` weights; its GEMM is defined by
+:func:`quantkit.formats.w4a8.format_accumulate` (W4A16 for decode-sized inputs, W4A8 for prefill).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from quantkit.formats import w4a8
 from quantkit.formats.base import ActivationScheme, QuantizedWeight, WeightScheme
 from quantkit.formats.fp8 import FP8Activation, FP8Weight
 from quantkit.formats.mx import MXActivation, MXWeight
@@ -26,11 +33,17 @@ from quantkit.formats.nvfp4 import NVFP4Activation, NVFP4Weight
 
 @dataclass(frozen=True)
 class Format:
-    """A named pair of weight and activation schemes (activation ``None``: weight-only)."""
+    """A named pair of weight and activation schemes (activation ``None``: no activation scheme
+    applies to every input — weight-only, or quantized inside ``accumulate``).
+
+    ``accumulate``: for a format whose GEMM is not ``qdq(x) @ dequant(w).T``, its FP32 accumulator
+    ``[M, N']`` from ``x [M, K]``, the :class:`QuantizedWeight` and an optional cached dequantized
+    weight (``nvfp4-w4a8``: :func:`quantkit.formats.w4a8.format_accumulate`)."""
 
     name: str
     weight: WeightScheme
     activation: ActivationScheme | None
+    accumulate: Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor] | None = None
 
     @property
     def k_multiple(self) -> int:
@@ -53,6 +66,7 @@ _FORMATS = {
     for f in (
         Format("nvfp4", NVFP4Weight(), NVFP4Activation()),
         Format("nvfp4-w4a16", NVFP4Weight(), None),
+        Format("nvfp4-w4a8", NVFP4Weight(), None, w4a8.format_accumulate),
         Format("mxfp8", MXWeight(8), MXActivation(8)),
         Format("mxfp4", MXWeight(4), MXActivation(4)),
         Format("fp8-block", FP8Weight((128, 128)), FP8Activation(128, per_token=True)),

@@ -17,6 +17,12 @@ significant bits and spans up to ``6 · 448``, so it is not always an E4M3 value
 4. **GEMM.** ``acc[m, n] = (Σ_k xq[m, k] · w8[n, k]) · s_x[m] · 2^c_n · s_g`` in FP32, then the
    epilogue (:mod:`quantkit.kernels.epilogue`).
 
+The ``nvfp4-w4a8`` format applies this only where it pays on Hopper: for an input of ``M`` tokens
+(all leading dims flattened) and ``N'`` weight rows it computes the W4A8 accumulator when
+:func:`use_w4a8` ``(M, N')`` holds, else the exact W4A16 one ``x @ dequant(w).T`` (bf16/FP32
+activations, not quantized). :func:`format_accumulate` is that function; every backend computes
+it, so a kernel equals the reference at every M on any device.
+
 Error of the weight conversion: ``|w8 · 2^c_n · s_g - w| <= 2^-4 |w|`` where the scaled value is
 E4M3-normal (``>= 2^-6``), else ``<= 2^-10 · 2^c_n · s_g`` (half a subnormal step).
 """
@@ -25,9 +31,18 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import fp8
+from quantkit.formats.base import QuantizedWeight
 from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
 
 BLOCK = 16
+
+
+def use_w4a8(m: int, n: int) -> bool:
+    """Whether ``nvfp4-w4a8`` computes the W4A8 function for ``M = m`` tokens and ``N' = n`` weight
+    rows (else W4A16): from M = 256 when N' >= 8192, from M = 1024 otherwise — the crossover of
+    W4A8 (incl. its activation quantization) and W4A16 measured on the H200
+    (``benchmarks/notes/nvfp4.md``, ``benchmarks/notes/w4a8_format.md``)."""
+    return m >= 1024 or (m >= 256 and n >= 8192)
 
 
 def row_exponents(scale: torch.Tensor) -> torch.Tensor:
@@ -58,8 +73,27 @@ def accumulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, tenso
     """The W4A8 accumulator ``acc [M, N]`` (FP32; summed in float64, then rounded once) for
     activations ``x [M, K]`` and an NVFP4 weight (packed, block scales, FP32 tensor scale)."""
     c = row_exponents(scale)
-    w8 = weight_to_fp8(packed, scale, c).double()
+    return _accumulate_fp8(x, weight_to_fp8(packed, scale, c), c, tensor_scale)
+
+
+def _accumulate_fp8(x: torch.Tensor, w8: torch.Tensor, c: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`accumulate` from the converted weight ``w8 [N, K]`` and its row exponents ``c [N]``."""
     xq, sx = quantize_activation(x)
-    acc = xq.double() @ w8.T
+    acc = xq.double() @ w8.double().T
     factor = sx.double()[:, None] * torch.ldexp(torch.ones_like(c, dtype=torch.float64), c)[None, :]
     return (acc * factor * tensor_scale.double()).float()
+
+
+def format_accumulate(x: torch.Tensor, qweight: QuantizedWeight, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 accumulator ``[M, N']`` of the ``nvfp4-w4a8`` format for ``x [M, K]`` (bf16/FP32) and an
+    NVFP4 ``qweight [N', K]``: :func:`accumulate` when :func:`use_w4a8` ``(M, N')``, else
+    ``x @ dequant(w).T`` (``weight``: a cached dequantized copy). The E4M3 weight of the W4A8
+    branch is cached in ``qweight.layouts["w4a8"]``."""
+    if not use_w4a8(x.shape[0], qweight.shape[0]):
+        w = qweight.dequantize() if weight is None else weight
+        return x.to(w.dtype) @ w.T
+    if "w4a8" not in qweight.layouts:
+        c = row_exponents(qweight.scale)
+        qweight.layouts["w4a8"] = (weight_to_fp8(qweight.data, qweight.scale, c), c)
+    w8, c = qweight.layouts["w4a8"]
+    return _accumulate_fp8(x, w8, c, qweight.tensor_scale)

@@ -1,7 +1,9 @@
 """The oracle: what every GEMM backend computes, in plain PyTorch (CPU or GPU).
 
 ``gemm(x, qw)`` = ``epilogue(qdq(x) @ dequant(w).T)`` with FP32 accumulation, where ``qdq`` is the
-activation quantization the format implies (identity for weight-only formats). See
+activation quantization the format implies (identity for weight-only formats), or
+``epilogue(fmt.accumulate(x, qw))`` for a format that defines its own accumulator
+(``nvfp4-w4a8``: W4A8 rounding past the M crossover). See
 :mod:`quantkit.kernels.epilogue` for the epilogue's order of operations.
 """
 from __future__ import annotations
@@ -41,9 +43,12 @@ def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTIT
     fmt = get_format(qweight.format)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    xq = fmt.activation.qdq(x2, input_scale) if fmt.activation is not None else x2
-    w = qweight.dequantize() if weight is None else weight
-    acc = xq.to(w.dtype) @ w.T
+    if fmt.accumulate is not None:
+        acc = fmt.accumulate(x2, qweight, weight)
+    else:
+        xq = fmt.activation.qdq(x2, input_scale) if fmt.activation is not None else x2
+        w = qweight.dequantize() if weight is None else weight
+        acc = xq.to(w.dtype) @ w.T
     res = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
     out = apply_epilogue(acc, epilogue, bias, res, x.dtype)
     return out.reshape(*lead, out.shape[-1]) if isinstance(out, torch.Tensor) else out

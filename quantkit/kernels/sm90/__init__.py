@@ -9,8 +9,10 @@ module on first use.
 * ``sm90-nvfp4`` — :mod:`.nvfp4_gemm` W4A16: ``nvfp4-w4a16`` weights × bf16 activations. Hopper
   has no FP4 tensor cores, so ``nvfp4`` (W4A4) runs here too: its activations are quantized and
   dequantized in PyTorch (the reference's own ``qdq``, rounded to bf16), then the W4A16 kernel.
-  The W4A8 kernel (:mod:`.nvfp4_w4a8`) computes a different function (FP8 activations and
-  weights) and is reachable through its own op, not through a format.
+  ``nvfp4-w4a8`` runs :mod:`.nvfp4_w4a8`'s format op: the W4A8 kernel (FP8 activations
+  quantized per token by its CuTeDSL kernel, weights rounded to E4M3 in registers) when
+  :func:`quantkit.formats.w4a8.use_w4a8` ``(M, N')``, else the W4A16 kernel — the same function
+  as the reference at every M.
 """
 from __future__ import annotations
 
@@ -55,17 +57,18 @@ register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_r
 
 
 def nvfp4_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
-    """Whether the sm90 W4A16 kernel computes ``x @ qweight`` with ``epilogue``."""
+    """Whether the sm90 NVFP4 kernels (W4A16, W4A8) compute ``x @ qweight`` with ``epilogue``."""
     n, k = qweight.shape
-    return (qweight.format in ("nvfp4-w4a16", "nvfp4") and x.dtype == torch.bfloat16 and k % 128 == 0
+    return (qweight.format in ("nvfp4-w4a16", "nvfp4", "nvfp4-w4a8") and x.dtype == torch.bfloat16 and k % 128 == 0
             and epilogue.requant is None and (epilogue.activation != "swiglu" or n % (2 * SWIGLU_GROUP) == 0))
 
 
 def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
               input_scale=None):
-    """``x [..., K]`` bf16 -> (``nvfp4``: NVFP4 qdq) -> W4A16 GEMM + ``epilogue`` -> bf16 ``[..., N]``;
-    the re-laid weight is cached in ``qweight.layouts``."""
+    """``x [..., K]`` bf16 -> (``nvfp4``: NVFP4 qdq) -> W4A16 GEMM (``nvfp4-w4a8``: W4A8 or W4A16 by
+    M) + ``epilogue`` -> bf16 ``[..., N]``; the re-laid weight is cached in ``qweight.layouts``."""
     from quantkit.kernels.sm90.nvfp4_gemm import nvfp4_w4a16_op, prepare
+    from quantkit.kernels.sm90.nvfp4_w4a8 import nvfp4_w4a8_format_op
 
     if "sm90" not in qweight.layouts:
         qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
@@ -75,8 +78,9 @@ def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, 
     if qweight.format == "nvfp4":
         x2 = get_format("nvfp4").activation.qdq(x2, input_scale).to(torch.bfloat16)
     res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
-    out = nvfp4_w4a16_op(x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None,
-                         res, epilogue.activation)
+    op = nvfp4_w4a8_format_op if qweight.format == "nvfp4-w4a8" else nvfp4_w4a16_op
+    out = op(x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None, res,
+             epilogue.activation)
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -1,5 +1,8 @@
 """W4A8 on Hopper: per-token FP8 activation quantization (CuTeDSL) feeding the NVFP4 GEMM of
-:mod:`.nvfp4_gemm` in its FP8 mode. Numerics: :mod:`quantkit.formats.w4a8`.
+:mod:`.nvfp4_gemm` in its FP8 mode. Numerics: :mod:`quantkit.formats.w4a8`. The ``nvfp4-w4a8``
+format's op (:func:`nvfp4_w4a8_format_op`) picks W4A8 or W4A16 per call by
+:func:`quantkit.formats.w4a8.use_w4a8`, inside the op: one graph for every M under
+``torch.compile``.
 
 The quantization kernel reads each row of ``x`` twice (amax, then the values, the second time
 from L2), and writes ``xq`` with K permuted within every 16 columns (:func:`.nvfp4_gemm.
@@ -11,8 +14,9 @@ import threading
 
 import torch
 
+from quantkit.formats.w4a8 import use_w4a8
 from quantkit.kernels.epilogue import Epilogue
-from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, output_shape,
+from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, nvfp4_w4a16, output_shape,
                                               weight_from_tensors)
 
 THREADS = 256
@@ -161,5 +165,21 @@ def nvfp4_w4a8_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, t
 
 
 @nvfp4_w4a8_op.register_fake
+def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
+    return x.new_empty(output_shape(x, n, activation), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("quantkit::nvfp4_w4a8_format", mutates_args=())
+def nvfp4_w4a8_format_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
+                         n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                         activation: str = "identity") -> torch.Tensor:
+    """The ``nvfp4-w4a8`` format on a prepared weight's tensors: :func:`nvfp4_w4a8` when
+    ``use_w4a8(M, n)``, else :func:`.nvfp4_gemm.nvfp4_w4a16` (bf16 ``x [M, K]`` -> bf16 ``[M, N]``)."""
+    epi = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
+    fn = nvfp4_w4a8 if use_w4a8(x.shape[0], n) else nvfp4_w4a16
+    return fn(x, weight_from_tensors(tiles, row_exp, tensor_scale, n), epi, bias, residual)
+
+
+@nvfp4_w4a8_format_op.register_fake
 def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="identity"):
     return x.new_empty(output_shape(x, n, activation), dtype=torch.bfloat16)
