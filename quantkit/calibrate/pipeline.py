@@ -7,6 +7,11 @@
    through it with observers on its Linear inputs, run the recipe's algorithms, swap its Linears
    for QuantLinears, compute its outputs (the next layer's inputs), and move it back.
 
+MoE blocks: fused experts are first split into per-expert Linears
+(:func:`quantkit.nn.experts.linearize_experts`), and while a layer is calibrated every expert runs
+on every calibration token (its observers see them all, even for an expert the router never
+picks), while the block output keeps the router's top-k combination.
+
 Only one decoder layer and the hidden states are on the device at a time; hidden states go to
 the offload device too when they do not fit ``max_device_bytes`` beside a layer.
 
@@ -27,6 +32,7 @@ from quantkit.calibrate.distributed import rank_device, shard
 from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
+from quantkit.nn.experts import calibrating_all_experts, linearize_experts
 from quantkit.nn.swap import QuantizationReport, fused_groups, plan_layers, quantize_model, shared_weight_amax
 
 
@@ -46,16 +52,16 @@ class CalibrationInfo:
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ``nn.ModuleList`` holding the decoder layers (the longest list of Linear-bearing blocks)."""
-    best = ("", None)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and all(
-                any(isinstance(m, nn.Linear) for m in block.modules()) for block in module):
-            if best[1] is None or len(module) > len(best[1]):
-                best = (name, module)
-    if best[1] is None:
+    """The ``nn.ModuleList`` holding the decoder layers: the longest list of Linear-bearing blocks
+    not nested in another such list (MoE experts are lists inside the decoder layers)."""
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module)
+             and all(any(isinstance(m, nn.Linear) for m in block.modules()) for block in module)]
+    outer = [(name, module) for name, module in lists
+             if not any(name.startswith(f"{other}.") for other, _ in lists if other != name)]
+    if not outer:
         raise CalibrationError("found no list of decoder layers (nn.ModuleList of blocks with Linear layers) in the model")
-    return best
+    return max(outer, key=lambda item: len(item[1]))
 
 
 def _nbytes(module: nn.Module) -> int:
@@ -131,6 +137,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
     device = torch.device(device) if device else rank_device()
+    linearize_experts(model)
     prefix, layers = find_decoder_layers(model)
     planned, skipped = plan_layers(model, fmt.name, recipe.ignore)
 
@@ -162,12 +169,13 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
             return [_hidden(layer(h.to(device), **_to(kws[i], device))).to(state_device)
                     for h, (_, kws) in zip(hidden, records)]
 
-        observers = {n: InputObserver(m, hessian=needs_hessian) for n, m in linears.items()}
-        float_out = run_block()
-        ctx = LayerContext(fmt, layer, linears, {n: o.finish() for n, o in observers.items()},
-                           fused_groups(linears), shared_weight_amax(linears), run_block)
-        for algo in algos:
-            algo.apply(ctx)
+        with calibrating_all_experts(layer):
+            observers = {n: InputObserver(m, hessian=needs_hessian) for n, m in linears.items()}
+            float_out = run_block()
+            ctx = LayerContext(fmt, layer, linears, {n: o.finish() for n, o in observers.items()},
+                               fused_groups(linears), shared_weight_amax(linears), run_block)
+            for algo in algos:
+                algo.apply(ctx)
         input_scales = {}
         if fmt.activation is not None and fmt.activation.static:
             for group in [*ctx.groups, *[[n] for n in linears if not any(n in g for g in ctx.groups)]]:

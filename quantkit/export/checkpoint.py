@@ -21,8 +21,10 @@ from quantkit.export.io import (
     write_safetensors,
 )
 from quantkit.export.layout import Scheme, TensorSpec, export_layer, import_layer
+from quantkit.export.names import CheckpointNames
 from quantkit.formats import QuantizedWeight
 from quantkit.nn import QuantLinear
+from quantkit.nn.experts import linearize_experts
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -43,7 +45,10 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
     the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. Every
     :class:`~quantkit.nn.QuantLinear` must share one format; the model's other ``nn.Linear`` layers
-    are listed as ignored. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
+    are listed as ignored. Tensors take the names of the model's hub checkpoint (what
+    ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts are
+    written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE loaders
+    read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
     Raises ``ValueError`` for a model without QuantLinear layers, a format the flavour lacks, or a
     static-activation format (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
     """
@@ -59,8 +64,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
         raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
     fmt = formats[0]
     specs = flavour.tensor_specs(fmt)
-    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    tensors = _tensors_to_write(model, layers, specs)
+    names = CheckpointNames(model)
+    ignore = [names.module(name) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    tensors = _tensors_to_write(model, layers, specs, names)
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = flavour.quantization_config(fmt, ignore)
@@ -79,15 +85,17 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     return Path(out_dir)
 
 
-def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint: QuantLinear layers per ``specs``, the rest as in ``state_dict``.
-    Tied tensors (the same storage, shape and offset, e.g. a tied lm_head) are written once, under
-    their first name, as Hugging Face does."""
+def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
+                      names: CheckpointNames) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its checkpoint name (``names``): QuantLinear layers per
+    ``specs``, the rest as in ``state_dict``. Tied tensors (the same storage, shape and offset, e.g.
+    a tied lm_head) are written once, under their first name, as Hugging Face does."""
     out: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
-        out.update({f"{name}.{k}": v for k, v in export_layer(layer, specs, name).items()})
+        disk = names.module(name)
+        out.update({f"{disk}.{k}": v for k, v in export_layer(layer, specs, name).items()})
         if layer.bias is not None:
-            out[f"{name}.bias"] = layer.bias.detach().cpu().contiguous()
+            out[f"{disk}.bias"] = layer.bias.detach().cpu().contiguous()
     seen: set[tuple] = set()
     storages: set[int] = set()
     for key, t in model.state_dict().items():
@@ -100,7 +108,7 @@ def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: t
         shares_storage = view[0] in storages
         storages.add(view[0])
         t = t.detach().cpu().contiguous()
-        out[key] = t.clone() if shares_storage else t
+        out[names.tensor(key)] = t.clone() if shares_storage else t
     return out
 
 
@@ -127,7 +135,8 @@ def _quantization_config(directory: Path, cfg: dict) -> tuple[ModuleType, Scheme
 
 
 def _empty_model(directory: Path, cfg: dict, dtype: torch.dtype) -> nn.Module:
-    """The model config.json describes, with parameters on the meta device (buffers real)."""
+    """The model config.json describes, with parameters on the meta device (buffers real) and fused
+    MoE experts split into per-expert Linears, as :func:`save` found them."""
     import transformers
     from accelerate import init_empty_weights
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -140,15 +149,18 @@ def _empty_model(directory: Path, cfg: dict, dtype: torch.dtype) -> nn.Module:
     architecture = getattr(transformers, (cfg.get("architectures") or [""])[0], None)
     with init_empty_weights():
         if isinstance(architecture, type) and issubclass(architecture, transformers.PreTrainedModel):
-            return architecture._from_config(config, dtype=dtype)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = architecture._from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    linearize_experts(model)
+    return model
 
 
-def _load_layer(model: nn.Module, name: str, linear: nn.Linear, fmt: str, specs: tuple[TensorSpec, ...],
+def _load_layer(model: nn.Module, name: str, disk: str, linear: nn.Linear, fmt: str, specs: tuple[TensorSpec, ...],
                 tensors: CheckpointTensors, dtype: torch.dtype) -> None:
-    """Replace ``linear`` (called ``name``) by a QuantLinear filled from the checkpoint."""
+    """Replace ``linear`` (called ``name``; ``disk`` in the checkpoint) by a QuantLinear filled from the checkpoint."""
     n, k = linear.out_features, linear.in_features
-    fields = import_layer(tensors, f"{name}.", specs, n, k)
+    fields = import_layer(tensors, f"{disk}.", specs, n, k)
     try:
         layer = QuantLinear(k, n, linear.bias is not None, format=fmt, static_input="input_scale" in fields, dtype=dtype)
     except ValueError as err:
@@ -160,7 +172,7 @@ def _load_layer(model: nn.Module, name: str, linear: nn.Linear, fmt: str, specs:
     input_scale = fields.get("input_scale")
     layer.load_quantized(qweight, None if input_scale is None else input_scale.reshape(()))
     if layer.bias is not None:
-        layer.bias.data.copy_(tensors.take(f"{name}.bias", _FLOATS, (n,)))
+        layer.bias.data.copy_(tensors.take(f"{disk}.bias", _FLOATS, (n,)))
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, layer)
 
@@ -168,17 +180,18 @@ def _load_layer(model: nn.Module, name: str, linear: nn.Linear, fmt: str, specs:
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _load_rest(model: nn.Module, tensors: CheckpointTensors) -> None:
-    """Load the checkpoint's remaining tensors into the model's parameters and buffers of the same name
+def _load_rest(model: nn.Module, tensors: CheckpointTensors, names: CheckpointNames) -> None:
+    """Load the checkpoint's remaining tensors into the model's parameters and buffers they name
     (floating tensors cast to the parameter's dtype; shapes must match)."""
     expected = model.state_dict(keep_vars=True)
     state = {}
-    for name in tensors.untaken():
+    for disk in tensors.untaken():
+        name = names.model_key(disk)
         if name not in expected:
             continue
         want = expected[name]
         dtypes = _FLOATS if want.is_floating_point() else (want.dtype,)
-        state[name] = tensors.take(name, dtypes, tuple(want.shape)).to(want.dtype)
+        state[name] = tensors.take(disk, dtypes, tuple(want.shape)).to(want.dtype)
     model.load_state_dict(state, strict=False, assign=True)
 
 
@@ -202,10 +215,11 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
     specs = flavour.tensor_specs(scheme.format)
     tensors = CheckpointTensors(directory)
     model = _empty_model(directory, cfg, dtype)
+    names = CheckpointNames(model)
     for name, module in list(model.named_modules()):
-        if scheme.selects(name, module):
-            _load_layer(model, name, module, scheme.format, specs, tensors, dtype)
-    _load_rest(model, tensors)
+        if scheme.selects(names.module(name), module):
+            _load_layer(model, name, names.module(name), module, scheme.format, specs, tensors, dtype)
+    _load_rest(model, tensors, names)
     model.tie_weights()
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:

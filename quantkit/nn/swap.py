@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 from quantkit.formats import QuantizedWeight, get_format
+from quantkit.nn.experts import is_fused_experts, linearize_experts, unsupported_reason
 from quantkit.nn.linear import QuantLinear
 
-DEFAULT_IGNORE = ("lm_head", "*.lm_head", "*mlp.gate", "*router*")
+# Routers stay in high precision: vLLM builds MoE routers and Qwen2-MoE's shared-expert gate
+# (N=1) as unquantized layers.
+DEFAULT_IGNORE = ("lm_head", "*.lm_head", "*mlp.gate", "*router*", "*shared_expert_gate")
 # Sibling projections that inference engines fuse into one GEMM: they must share tensor scales.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
@@ -88,14 +91,19 @@ def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[
             skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {fmt.k_multiple}"))
         else:
             chosen[name] = module
-    for name, param in model.named_parameters():
-        if param.dim() == 3:  # fused MoE experts [E, N, K]: no nn.Linear, no QuantLinear yet
-            skipped.append(LayerResult(name, tuple(param.shape), "fused expert weights (not nn.Linear): left unquantized"))
+    for name, module in model.named_modules():
+        if is_fused_experts(module):  # fused MoE experts [E, N, K] linearize_experts could not split
+            reason = f"fused expert weights left unquantized: {unsupported_reason(module) or 'not linearized'}"
+            for pname, param in module.named_parameters(recurse=False):
+                skipped.append(LayerResult(f"{name}.{pname}", tuple(param.shape), reason))
     return chosen, skipped
 
 
 def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
-    """The Linear layers :func:`quantize_model` would quantize, and those it would skip (with reasons)."""
+    """The Linear layers :func:`quantize_model` would quantize, and those it would skip (with reasons).
+
+    Fused MoE experts count as skipped until :func:`quantkit.nn.experts.linearize_experts` has
+    split them into per-expert Linears (as :func:`quantize_model` does first)."""
     return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore))
 
 
@@ -125,12 +133,16 @@ def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str
                    input_scales: Mapping[str, torch.Tensor] | None = None) -> QuantizationReport:
     """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
 
+    Fused MoE experts are first split into per-expert Linears (:func:`~quantkit.nn.experts.linearize_experts`,
+    named ``...experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``; gate and up share tensor scales).
     Layers matching ``ignore`` (glob or ``re:`` patterns; default :data:`DEFAULT_IGNORE`) or whose K
-    is not a multiple of the format's block are left as they are and reported with the reason.
+    is not a multiple of the format's block are left as they are and reported with the reason, as
+    are fused experts of a layout that cannot be split.
     ``qweights`` / ``input_scales`` (by module name) come from calibration; missing weights are
     quantized round-to-nearest. Returns a :class:`QuantizationReport`.
     """
     get_format(format)
+    linearize_experts(model)
     layers, skipped = plan_layers(model, format, ignore)
     missing = {n: m for n, m in layers.items() if not qweights or n not in qweights}
     chosen = {**rtn_quantize(missing, format), **{n: q for n, q in (qweights or {}).items() if n in layers}}
