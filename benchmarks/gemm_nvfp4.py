@@ -35,6 +35,7 @@ from quantkit.formats import get_format, w4a8  # noqa: E402
 from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
 
@@ -124,15 +125,21 @@ def check_act_quant(m, k):
     return torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
 
 
-def run_check(fh) -> bool:
-    cases = [(mode, m, 1000, 2048, Epilogue()) for mode in ("w4a16", "w4a8") for m in (1, 3, 16, 64, 257, 4096)]
-    cases += [(mode, 37, 1024, 1536, e) for mode in ("w4a16", "w4a8") for e in CHECK_EPILOGUES]
-    cases += [("w4a16", 1, 512, 14336, Epilogue()), ("w4a16", 5, 256, 8192, Epilogue(activation="swiglu"))]
-    variants = [ng.Config(bn, wgs, 4, sp, pdl, bat) for bn, wgs, sp in ((8, 1, 4), (16, 2, 2), (64, 1, 2))
-                for pdl in (False, True) for bat in (False, True)]
-    variants += [ng.Config(128, 2, 5, 1), ng.Config(256, 2, 5, 1)]  # setmaxnreg-rebalanced tiles
+def run_check(fh, gemv_only: bool = False) -> bool:
+    cases = [] if gemv_only else [(mode, m, 1000, 2048, Epilogue()) for mode in ("w4a16", "w4a8") for m in (1, 3, 16, 64, 257, 4096)]
+    variants = []
+    if not gemv_only:
+        cases += [(mode, 37, 1024, 1536, e) for mode in ("w4a16", "w4a8") for e in CHECK_EPILOGUES]
+        cases += [("w4a16", 1, 512, 14336, Epilogue()), ("w4a16", 5, 256, 8192, Epilogue(activation="swiglu"))]
+        variants = [ng.Config(bn, wgs, 4, sp, pdl, bat) for bn, wgs, sp in ((8, 1, 4), (16, 2, 2), (64, 1, 2))
+                    for pdl in (False, True) for bat in (False, True)]
+        variants += [ng.Config(128, 2, 5, 1), ng.Config(256, 2, 5, 1)]  # setmaxnreg-rebalanced tiles
+    gemv_cases = [(m, n, k, Epilogue(), None) for name in SHAPES for n, k in SHAPES[name] for m in (1, 3, 4, 8)]
+    gemv_cases += [(m, 1024, 1536, e, None) for e in CHECK_EPILOGUES for m in (1, 7)]
+    gemv_cases += [(m, 1000, 2048, Epilogue(bias=True), cfg) for m in (2, 5) for cfg in GEMV_TUNE]
+    gemv_cases += [(4, 2048, 4096, Epilogue(activation="swiglu", bias=True), gv.GemvConfig(4, 2, 4, s)) for s in (1, 3)]
     ok = True
-    for m, k in ((1, 4096), (37, 14336), (4096, 8192)):
+    for m, k in () if gemv_only else ((1, 4096), (37, 14336), (4096, 8192)):
         good = check_act_quant(m, k)
         log(f"CHECK {'PASS' if good else 'FAIL'} act_quant M={m} K={k} bit-exact", fh)
         ok &= good
@@ -147,6 +154,19 @@ def run_check(fh) -> bool:
             ok &= good
         except Exception:
             log(f"CHECK ERROR {mode} M={m} N={n} K={k} {epi}:\n{traceback.format_exc()}", fh)
+            ok = False
+        timer.cancel()
+    for i, (m, n, k, epi, cfg) in enumerate(gemv_cases):
+        timer = watchdog(240, f"check gemv m={m} {n}x{k} {epi} {cfg}")
+        try:
+            cfg = cfg or gv.pick_gemv_config(-(-n // 128) * 128, k, epi)
+            unwritten, err, floor = check_case("w4a16", m, n, k, epi, seed=200 + i, config=cfg)
+            good = unwritten == 0 and err < max(4e-3, 2 * floor)
+            log(f"CHECK {'PASS' if good else 'FAIL'} gemv M={m} N={n} K={k} {epi} {cfg}: rel_err={err:.2e} "
+                f"(bf16 floor {floor:.1e}) unwritten={unwritten}", fh)
+            ok &= good
+        except Exception:
+            log(f"CHECK ERROR gemv M={m} N={n} K={k} {epi} {cfg}:\n{traceback.format_exc()}", fh)
             ok = False
         timer.cancel()
     for i, cfg in enumerate(variants):
@@ -216,6 +236,12 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                                                 for b in qblobs], w_bytes)
                     if not with_quack and m in ms:
                         contenders["w4a16"] = ([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps], w_bytes)
+                        if m <= gv.MAX_M:
+                            wg = ng.pick_config(m, preps[0].row_exp.shape[0], k, Epilogue(), False)
+                            gcfg = gv.pick_gemv_config(preps[0].row_exp.shape[0], k, Epilogue())
+                            contenders["wgmma"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=wg) for p in preps], w_bytes)
+                            contenders["gemv"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=gcfg) for p in preps],
+                                                  w_bytes)
                         contenders["bf16"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)
                         if not quick:
                             contenders["dequant+mm"] = (
@@ -244,8 +270,8 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
     return list(rows.values())
 
 
-def run_variants(shapes, fh):
-    """Decode (M = 1, 16): the default config against the same config with PDL and/or batched
+def run_variants(shapes, fh, ms=(1, 16)):
+    """Decode (M in ``ms``): the default config against the same config with PDL and/or batched
     WGMMA issue."""
     rows = []
     for name in shapes:
@@ -253,7 +279,7 @@ def run_variants(shapes, fh):
             qw = quantized(n, k, seed=n + k)
             preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
             n_pad = preps[0].row_exp.shape[0]
-            for m in (1, 16):
+            for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 base = ng.pick_config(m, n_pad, k, Epilogue(), False)
                 row = {"shape": f"{name} {n}x{k}", "m": m, "config": str(base)}
@@ -267,6 +293,44 @@ def run_variants(shapes, fh):
                 rows.append(row)
                 log("VARIANT " + json.dumps(row), fh)
             del preps
+    return rows
+
+
+GEMV_SHAPES = [(4, 4), (4, 2), (8, 2), (8, 3)]  # (warps, stages) the GEMV sweep tries
+GEMV_TUNE = [gv.GemvConfig(w, 1, st, sp) for (w, st), sp in zip(GEMV_SHAPES, (1, 2, 3, 4))]  # checked variants
+
+
+def run_gemv_tune(shapes, fh, deadline):
+    """Decode GEMV at M = 1 and 8: (warps, stages) of :data:`GEMV_SHAPES` with the rule's K-split,
+    and the default with half / double the split; rows with every time."""
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            if time.time() > deadline:
+                log(f"gemv tune deadline: skipping {name} {n}x{k}", fh)
+                continue
+            qw = quantized(n, k, seed=n + k)
+            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            n_pad = preps[0].row_exp.shape[0]
+            base = gv.pick_gemv_config(n_pad, k, Epilogue())
+            cands = {gv.pick_gemv_config(n_pad, k, Epilogue(), warps=w, stages=st) for w, st in GEMV_SHAPES}
+            cands |= {dataclasses.replace(base, splits=max(1, base.splits // 2)),
+                      dataclasses.replace(base, splits=base.splits * 2)}
+            for m in (1, 8):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                times = {}
+                for cfg in sorted(cands, key=str):
+                    try:
+                        times[str(cfg)] = graph_median_us([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c)
+                                                           for p in preps], reps=9)
+                    except Exception:  # noqa: BLE001
+                        log(f"GEMV TUNE ERROR {cfg}: {traceback.format_exc(limit=2)}", fh)
+                row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(base), "rule_us": times.get(str(base)),
+                       "all": dict(sorted(times.items(), key=lambda kv: kv[1]))}
+                rows.append(row)
+                log("GEMV_TUNE " + json.dumps(row), fh)
+            del preps
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -339,7 +403,7 @@ def run_tune(fh, deadline):
 
 def table(rows) -> str:
     head = ("shape", "M", "w4a16 µs", "TB/s", "bf16 µs", "TB/s", "x bf16", "deq+mm µs", "quack µs", "x quack",
-            "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
+            "wgmma µs", "gemv µs", "TB/s", "x bf16", "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
     lines = [" | ".join(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
@@ -347,7 +411,8 @@ def table(rows) -> str:
         ratio = lambda a, b: f"{r[b] / r[a]:.2f}" if a in r and b in r else "-"  # noqa: E731
         lines.append(" | ".join([r["shape"], str(r["m"]), f("w4a16"), f("w4a16_tbs", "{:.2f}"), f("bf16"),
                                  f("bf16_tbs", "{:.2f}"), ratio("w4a16", "bf16"), f("dequant+mm"), f("quack"),
-                                 ratio("w4a16", "quack"), f("w4a8"), ratio("w4a8", "bf16"), f("w4a8_gemm"),
+                                 ratio("w4a16", "quack"), f("wgmma"), f("gemv"), f("gemv_tbs", "{:.2f}"),
+                                 ratio("gemv", "bf16"), f("w4a8"), ratio("w4a8", "bf16"), f("w4a8_gemm"),
                                  f("act_quant")]))
     return "\n".join(lines)
 
@@ -364,34 +429,47 @@ def main():
     ap.add_argument("--tune-budget", type=float, default=200)
     ap.add_argument("--variants", action="store_true", help="decode A/B of PDL and batched WGMMA issue")
     ap.add_argument("--no-quack", action="store_true")
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="W4A16 token counts to time")
+    ap.add_argument("--no-w4a8", action="store_true", help="time W4A16 only")
+    ap.add_argument("--gemv-tune", action="store_true", help="also sweep decode GEMV configs")
+    ap.add_argument("--gemv-tune-budget", type=float, default=60)
+    ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.check_only:
         with open(out / "check.log", "w") as fh:
-            sys.exit(0 if run_check(fh) else 1)
+            sys.exit(0 if run_check(fh, args.check_gemv_only) else 1)
     deadline = time.time() + args.budget
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     checker = None
     if not args.skip_check:  # overlaps the benchmark's compiles; the timing waits for it
-        checker = subprocess.Popen([sys.executable, __file__, "--check-only", "--out", str(out)])
+        checker = subprocess.Popen([sys.executable, __file__, "--check-only", "--out", str(out)]
+                                   + (["--check-gemv-only"] if args.check_gemv_only else []))
+    ms, w4a8_ms = args.ms, ([] if args.no_w4a8 else W4A8_MS)
     with open(out / "bench.log", "w") as fh:
         # compile the benchmark kernels while the check runs
-        for m in sorted(set(MS) | set(W4A8_MS)):
+        for m in sorted(set(ms) | set(w4a8_ms)):
             for name in args.shapes:
                 for n, k in SHAPES[name]:
-                    for mode in (("w4a16",) if m in MS else ()) + (("w4a8",) if m in W4A8_MS else ()):
+                    for mode in (("w4a16",) if m in ms else ()) + (("w4a8",) if m in w4a8_ms else ()):
                         cfg = ng.pick_config(m, -(-n // 128) * 128, k, Epilogue(), mode == "w4a8")
                         ng.compile_gemm(cfg, Epilogue(), mode == "w4a8")
+                    if m <= gv.MAX_M:
+                        gv.compile_gemv(gv.pick_gemv_config(-(-n // 128) * 128, k, Epilogue()), Epilogue())
         log(f"compiled benchmark kernels ({time.time() - deadline + args.budget:.0f}s)", fh)
         if checker is not None:
             rc = checker.wait()
             log(f"check subprocess exit code {rc}", fh)
-        rows = run_bench(args.shapes, MS, W4A8_MS, fh, deadline, args.quick, not args.no_quack)
+        rows = run_bench(args.shapes, ms, w4a8_ms, fh, deadline, args.quick, not args.no_quack)
         (out / "bench.json").write_text(json.dumps(rows, indent=1))
+        if args.gemv_tune:
+            tuned = run_gemv_tune(args.shapes, fh, time.time() + args.gemv_tune_budget)
+            (out / "gemv_tune.json").write_text(json.dumps(tuned, indent=1))
         if args.variants:
-            variants = run_variants(args.shapes, fh)
+            variants = run_variants(args.shapes, fh, args.variant_ms)
             (out / "variants.json").write_text(json.dumps(variants, indent=1))
         if args.tune:
             tuned = run_tune(fh, time.time() + args.tune_budget)

@@ -308,6 +308,64 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
+GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, epilogue)
+    (4, 1, 4, 1, Epilogue()),
+    (8, 1, 2, 3, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
+    (4, 2, 4, 2, Epilogue(bias=True, activation="swiglu", residual=True)),
+]
+
+
+def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
+    """The decode GEMV: warp-level bf16 MMAs (no WGMMA), 16-byte cp.async copies, 16-byte
+    shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split."""
+    pytest.importorskip("cutlass")
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from quantkit.kernels.epilogue import Epilogue
+        from quantkit.kernels.sm90 import nvfp4_gemv as gv
+        for i, (w, t, st, sp, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+            d = os.path.join({str(tmp_path)!r}, str(i))
+            os.makedirs(d)
+            gv.compile_gemv(gv.GemvConfig(w, t, st, sp), Epilogue(bias=bias, activation=act, residual=res),
+                            arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+    """)
+    cases = [(w, t, st, sp, e.bias, e.activation, e.residual) for w, t, st, sp, e in GEMV_COMPILE_CASES]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i, (_w, _t, stages, splits, _e) in enumerate(GEMV_COMPILE_CASES):
+        d = tmp_path / str(i)
+        text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
+        assert ".target sm_90a" in text and "wgmma" not in text
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32  # 4 strips x 8 k16 blocks
+        # 9 weight + 4 activation copies per k-tile: stages - 1 in the prologue, 1 in the loop
+        assert text.count("cp.async.cg.shared.global.L2::128B") == 13 * stages
+        assert text.count("ld.shared.v4.b32") == 12  # 2 code + 1 scale words per strip
+        assert "ld.local" not in text and "st.local" not in text
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1)
+
+
+def test_gemv_config_rule_fills_one_wave_and_fits_shared_memory():
+    from quantkit.kernels.sm90 import nvfp4_gemv as gv
+
+    for n_pad, k in ((4096, 4096), (6144, 4096), (57344, 8192), (8192, 28672)):
+        for epi in (Epilogue(), Epilogue(activation="swiglu")):
+            cfg = gv.pick_gemv_config(n_pad, k, epi)
+            cfg.check(epi)
+            ctas = n_pad // (64 * cfg.tiles)
+            assert cfg.splits == 1 or ctas * cfg.splits <= cfg.ctas_per_sm() * 132  # split only within one wave
+            assert (k // 128) // cfg.splits // (cfg.warps // cfg.tiles) >= 2  # >= 2 k-tiles per warp
+    assert gv.pick_gemv_config(4096, 4096, Epilogue()).splits == 4  # 64 CTAs x 4 = 256 <= 2 x 132
+    assert gv.pick_gemv_config(57344, 8192, Epilogue()).splits == 1
+    assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
+    with pytest.raises(ValueError):
+        gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
+    with pytest.raises(ValueError):
+        gv.GemvConfig(8, 1, 5).check(Epilogue())  # 8 warps x 5 slots exceed shared memory
+
+
 # ----------------------------------------------------------------------------- GPU
 def _epilogue_f64(acc, epi: Epilogue, bias, residual):
     y = acc
@@ -388,5 +446,22 @@ def test_gpu_config_variants(mode, config):
     setmaxnreg-rebalanced two-warpgroup large tiles."""
     m = min(config.bn, 200) - 3
     out, ref = _gpu_case(m, 1024, 2048, Epilogue(bias=True, residual=True), seed=9, mode=mode, config=config)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("config,epi", [(None, Epilogue()),
+                                        (None, Epilogue(bias=True, activation="silu", residual=True)),
+                                        (None, Epilogue(activation="swiglu", bias=True, residual=True)),
+                                        ("split3", Epilogue(activation="gelu_tanh"))])
+def test_gpu_gemv_matches_float64_reference(m, config, epi):
+    """The decode GEMV (explicit configs: the rule's, and an uneven 3-way K-split of 8 warps)."""
+    from quantkit.kernels.sm90 import nvfp4_gemv as gv
+
+    n, k = 1024, 4096
+    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else gv.pick_gemv_config(n, k, epi)
+    out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

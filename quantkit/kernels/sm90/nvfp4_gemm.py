@@ -287,6 +287,53 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
 
 
 # ---------------------------------------------------------------------------------------- kernel
+@functools.cache
+def dsl_ops():
+    """CuTeDSL helpers shared by this GEMM and the decode GEMV (:mod:`.nvfp4_gemv`): inline-PTX
+    wrappers, the W4A16 register decode and the epilogue activations (imports CuTeDSL)."""
+    import types
+
+    import cutlass.cute as cute
+    from cutlass import Float32, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    def asm_u32(operands, asm, constraints, loc, ip):
+        return Uint32(llvm.inline_asm(T.i32(), operands, asm, constraints, has_side_effects=False, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def mul_x2_bcast(a, pair, hi: bool, f16: bool, *, loc=None, ip=None):
+        """``a`` (bf16x2 or f16x2) times lane ``hi`` of ``pair`` broadcast to both lanes."""
+        lane, ty = ("h" if hi else "l"), ("f16x2" if f16 else "bf16x2")
+        asm = ("{.reg .b16 l, h; .reg .b32 bb; mov.b32 {l, h}, $2; "
+               f"mov.b32 bb, {{{lane}, {lane}}}; mul.rn.{ty} $0, $1, bb;}}")
+        return asm_u32([Uint32(a).ir_value(loc=loc, ip=ip), Uint32(pair).ir_value(loc=loc, ip=ip)], asm, "=r,r,r", loc, ip)
+
+    def rotl(q, r: int):
+        return q if r == 0 else (q << r) | (q >> (32 - r))
+
+    def decode_w4a16(q, scale_word, b: int):
+        """The 4 bf16x2 A-fragment registers (pairs a0..a3, ``e2m1 · s_b · 2^-7``, exact) of one
+        thread's k16 word ``q`` of block ``b``; ``scale_word`` is the thread's scale word ``b // 2``."""
+        e = (scale_word >> (8 * (b % 2))) & Uint32(0x00FF00FF)
+        sc = e * Uint32(16) + Uint32((W16_EXP_BIAS << 7) * 0x10001)  # bf16x2 (s_b(r), s_b(r+8)) * 2^119
+        return [mul_x2_bcast((rotl(q, MAG_ROT[j]) & Uint32(0x01C001C0)) | (rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)),
+                             sc, j % 2 == 1, False) for j in range(4)]
+
+    def activate(x, act: str):
+        """``act`` (not swiglu) of an FP32 value."""
+        if act == "relu":
+            return cute.arch.fmax(x, Float32(0.0))
+        if act == "silu":
+            return x / (1.0 + cute.math.exp(-x))
+        if act == "gelu_tanh":
+            return x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
+        return x
+
+    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl, decode_w4a16=decode_w4a16,
+                                 activate=activate)
+
+
 def _build_kernel_class():
     """Define the CuTeDSL kernel (imports CuTeDSL; called on first compile)."""
     import cutlass
@@ -299,16 +346,8 @@ def _build_kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
     from cutlass.cute.nvgpu import warpgroup
 
-    def _asm_u32(operands, asm, constraints, loc, ip):
-        return Uint32(llvm.inline_asm(T.i32(), operands, asm, constraints, has_side_effects=False, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def mul_x2_bcast(a, pair, hi: bool, f16: bool, *, loc=None, ip=None):
-        """``a`` (bf16x2 or f16x2) times lane ``hi`` of ``pair`` broadcast to both lanes."""
-        lane, ty = ("h" if hi else "l"), ("f16x2" if f16 else "bf16x2")
-        asm = ("{.reg .b16 l, h; .reg .b32 bb; mov.b32 {l, h}, $2; "
-               f"mov.b32 bb, {{{lane}, {lane}}}; mul.rn.{ty} $0, $1, bb;}}")
-        return _asm_u32([Uint32(a).ir_value(loc=loc, ip=ip), Uint32(pair).ir_value(loc=loc, ip=ip)], asm, "=r,r,r", loc, ip)
+    ops = dsl_ops()
+    _asm_u32, mul_x2_bcast, rotl = ops.asm_u32, ops.mul_x2_bcast, ops.rotl
 
     @dsl_user_op
     def f16x2x2_to_e4m3x4(lo, hi, *, loc=None, ip=None):
@@ -333,9 +372,6 @@ def _build_kernel_class():
         """FP32 ``2^e`` for an integer ``e`` in [-126, 127] (exact: built from the exponent bits)."""
         bits = (Int32(e) + 127) << 23
         return Float32(llvm.bitcast(T.f32(), bits.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-    def rotl(q, r: int):
-        return q if r == 0 else (q << r) | (q >> (32 - r))
 
     class Nvfp4GemmSm90:
         """One (mode, config, epilogue, bias dtype) kernel; call through ``cute.compile``."""
@@ -587,13 +623,9 @@ def _build_kernel_class():
         @cute.jit
         def decode_w4a16(self, frag, rc, rs, b: cutlass.Constexpr[int]):
             """k16 block ``b``: 8 codes -> 4 bf16x2 registers (e2m1 * s_b * 2^-7, exact)."""
-            q = rc[b % 4, b // 4]
-            e = (rs[b // 2] >> (8 * (b % 2))) & Uint32(0x00FF00FF)
-            sc = e * Uint32(16) + Uint32((W16_EXP_BIAS << 7) * 0x10001)  # bf16x2 (s_b(r), s_b(r+8)) * 2^119
+            pairs = ops.decode_w4a16(rc[b % 4, b // 4], rs[b // 2], b)
             for j in cutlass.range_constexpr(4):
-                mag = rotl(q, MAG_ROT[j]) & Uint32(0x01C001C0)
-                sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
-                frag[(0, j % 2, j // 2), 0, b] = mul_x2_bcast(mag | sign, sc, j % 2 == 1, False)
+                frag[(0, j % 2, j // 2), 0, b] = pairs[j]
 
         @cute.jit
         def decode_w4a8(self, frag, rc, rs, krows, i: cutlass.Constexpr[int]):
@@ -685,7 +717,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.epi.bias):
                     if row0 + rr < n_rows:
                         v = v + mBias[row0 + rr].to(Float32)
-                acc[i] = self.activate(v)
+                acc[i] = ops.activate(v, self.epi.activation)
             out = acc
             n_base = row0
             active = True
@@ -711,18 +743,6 @@ def _build_kernel_class():
                         if cutlass.const_expr(self.epi.residual):
                             v = v + mRes[mm, nn].to(Float32)
                         mOut[mm, nn] = v.to(cutlass.BFloat16)
-
-        @cute.jit
-        def activate(self, x):
-            act = self.epi.activation
-            y = x
-            if cutlass.const_expr(act == "relu"):
-                y = cute.arch.fmax(x, Float32(0.0))
-            if cutlass.const_expr(act == "silu"):
-                y = x / (1.0 + cute.math.exp(-x))
-            if cutlass.const_expr(act == "gelu_tanh"):
-                y = x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
-            return y
 
     return Nvfp4GemmSm90
 
@@ -764,23 +784,32 @@ def use_w4a8(m: int, n: int) -> bool:
     M = 256 for N' >= 8192 and M = 1024 for narrower weights."""
     return m >= 1024 or (m >= 256 and n >= 8192)
 
+GEMV_MAX_M = 0  # W4A16 runs the decode GEMV (:mod:`.nvfp4_gemv`) up to this many tokens
+
+
+def use_gemv(m: int) -> bool:
+    """Whether W4A16 at ``M = m`` tokens runs the decode GEMV rather than the WGMMA kernel."""
+    return m <= GEMV_MAX_M
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
-_COUNTERS = 1 << 16
+COUNTERS = 1 << 16
 
 
-def _counter_buffer(device: torch.device) -> torch.Tensor:
+def counter_buffer(device: torch.device) -> torch.Tensor:
     """Per-device split-K tile counters; zero between launches (each kernel resets its own).
     Launches sharing a device must be stream-ordered (one stream, or a CUDA graph)."""
     buf = _counters.get(device)
     if buf is None:
-        buf = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        buf = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buf
 
 
 def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
-                config: Config | None, out: torch.Tensor | None) -> torch.Tensor:
+                config, out: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
-    FP32 per-token ``x_scale [M]``); checks shapes, picks the config, allocates split-K scratch."""
+    FP32 per-token ``x_scale [M]``); checks shapes, picks the kernel (W4A16: the decode GEMV for
+    :func:`use_gemv` token counts or a ``GemvConfig``) and its config, allocates split-K scratch."""
     import cuda.bindings.driver as cuda
 
     m, k = x_arg.shape
@@ -800,20 +829,24 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         raise ValueError(f"epilogue has bias: expected bias[{w.n}]")
     if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
         raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
-    num_sms = torch.cuda.get_device_properties(x_arg.device).multi_processor_count
-    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     if bias is not None and not bias_fp32:
         bias = bias.to(torch.bfloat16).contiguous()
     residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    from quantkit.kernels.sm90 import nvfp4_gemv
+
+    if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
+        return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
+    num_sms = torch.cuda.get_device_properties(x_arg.device).multi_processor_count
+    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
     ws = counters = None
     if config.splits > 1:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
-        if tiles > _COUNTERS:
-            raise ValueError(f"{tiles} split-K tiles exceed the counter buffer ({_COUNTERS})")
+        if tiles > COUNTERS:
+            raise ValueError(f"{tiles} split-K tiles exceed the counter buffer ({COUNTERS})")
         ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,
                          device=x_arg.device)
-        counters = _counter_buffer(x_arg.device)
+        counters = counter_buffer(x_arg.device)
     fn = compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stream = cuda.CUstream(torch.cuda.current_stream(x_arg.device).cuda_stream)
@@ -823,10 +856,11 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
 
 
 def nvfp4_w4a16(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
-                config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                config=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``epilogue(x @ dequant(w).T)``: bf16 ``x [M, K]``, a :func:`prepare`-d NVFP4 weight
     ``[N', K]``, optional ``bias [N']`` (bf16/FP32) and bf16 ``residual [M, N]``; returns bf16
-    ``[M, N]`` (``N = N'/2`` for swiglu). ``config`` overrides :func:`pick_config`."""
+    ``[M, N]`` (``N = N'/2`` for swiglu). ``config``: a :class:`Config` (WGMMA kernel) or a
+    ``nvfp4_gemv.GemvConfig`` (decode GEMV) overrides the choice of kernel and config."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
     return launch_gemm(x.contiguous(), w, epilogue, False, None, bias, residual, config, out)

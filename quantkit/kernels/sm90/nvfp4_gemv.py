@@ -1,0 +1,396 @@
+"""Hopper (sm_90a) decode GEMV on NVFP4 weights (W4A16, ``M <= 8`` tokens), in CuTeDSL.
+
+At decode only the weight bytes matter; a 64-row WGMMA tile with a producer warpgroup, mbarriers
+and a shared-memory stage per k-tile is more machinery than the byte stream needs. Here each warp
+streams its own run of the weight tiles that :func:`.nvfp4_gemm.prepare` lays out (no second
+copy of the weight) through a private ``cp.async`` ring in shared memory (16-byte copies, several
+tiles in flight per warp, no mbarriers), decodes them with the GEMM's exact register decode
+(:func:`.nvfp4_gemm.dsl_ops`) and multiplies with warp-level ``mma.sync.m16n8k16`` (bf16 in,
+FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
+
+* A prepared 64x128 tile is 4 strips of 16 rows; strip ``s`` of the tile is exactly the A
+  fragment of ``mma.m16n8k16`` for lane ``l`` at thread ``32 s + l`` of the WGMMA layout, so one
+  warp covers the whole tile (4 accumulators, the activation fragment reused 4 times).
+* The activations of a k-tile (``M x 128`` bf16) ride in the same ring slot, rows padded to 272
+  bytes so that the B-fragment loads are free of bank conflicts.
+* A CTA holds ``tiles`` 64-row tiles (2 for SwiGLU: the gate and up halves of a 128-row group)
+  and ``warps`` warps; warp ``w`` takes tile ``w % tiles`` and the ``w // tiles``-th contiguous
+  run of the CTA's k-tiles. Partial sums meet in shared memory (fixed order); with ``splits > 1``
+  the CTAs of one row block meet through the split-K turnstile of the GEMM (the last CTA to
+  arrive sums the partials in split order: deterministic) before the fused epilogue (tensor
+  scale, bias, activation incl. SwiGLU, residual) writes bf16.
+"""
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+from quantkit.kernels.sm90 import nvfp4_gemm as ng
+
+MAX_M = 8  # tokens: the MMA N
+X_ROW = 272  # bytes per token row of a k-tile's activations in the ring (256 + 16: no bank conflicts)
+SLOT_BYTES = ng.TILE_BYTES + MAX_M * X_ROW
+_SMEM = 227 * 1024
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``warps`` per CTA, ``tiles`` 64-row tiles per CTA (2 for SwiGLU), ``stages`` ring slots per
+    warp (``stages - 1`` k-tiles in flight), ``splits`` K-splits across CTAs."""
+
+    warps: int = 4
+    tiles: int = 1
+    stages: int = 4
+    splits: int = 1
+
+    def check(self, epilogue: Epilogue) -> None:
+        """Raise ValueError if this config cannot run ``epilogue``."""
+        threads = 32 * self.warps
+        if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
+                or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM):
+            raise ValueError(f"unsupported GEMV config {self}")
+        if (epilogue.activation == "swiglu") != (self.tiles == 2):
+            raise ValueError("swiglu needs tiles=2 (the gate and up halves of a 128-row group), and only swiglu")
+        if epilogue.requant is not None:
+            raise ValueError("the NVFP4 sm90 GEMV writes bf16 only (no requant epilogue)")
+
+    def smem_bytes(self) -> int:
+        """Shared memory per CTA: the warps' rings, the reduced tile, 1 KB reserved by the system."""
+        return self.warps * self.stages * SLOT_BYTES + ng.ROWS * self.tiles * MAX_M * 4 + 1024 + 64
+
+    def ctas_per_sm(self) -> int:
+        """CTAs that fit one SM's shared memory."""
+        return max(1, _SMEM // self.smem_bytes())
+
+
+def pick_gemv_config(n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132, warps: int = 4,
+                     stages: int = 4) -> GemvConfig:
+    """``warps`` x ``stages`` (default 4 x 4: 2 CTAs per SM); K-splits only while the grid stays
+    within one wave and every warp keeps at least 2 k-tiles."""
+    tiles = 2 if epilogue.activation == "swiglu" else 1
+    base = GemvConfig(warps=warps, tiles=tiles, stages=stages)
+    ctas = n_pad // (ng.ROWS * tiles)
+    groups = warps // tiles
+    splits = max(1, min(base.ctas_per_sm() * num_sms // ctas, (k // ng.BK) // (2 * groups)))
+    return GemvConfig(warps, tiles, stages, splits)
+
+
+# ---------------------------------------------------------------------------------------- kernel
+def _build_kernel_class():
+    """Define the CuTeDSL kernel (imports CuTeDSL; called on first compile)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64, Uint32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    ops = ng.dsl_ops()
+
+    @dsl_user_op
+    def cp_async_16(dst_smem, src_gmem, src_bytes, *, loc=None, ip=None):
+        """``cp.async.cg`` of 16 bytes global -> shared; bytes past ``src_bytes`` (0 or 16) are zero."""
+        llvm.inline_asm(
+            None,
+            [Int32(dst_smem).ir_value(loc=loc, ip=ip), Int64(src_gmem).ir_value(loc=loc, ip=ip),
+             Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+            "cp.async.cg.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mma_bf16_16816(a, b0, b1, c, *, loc=None, ip=None):
+        """``mma.sync.m16n8k16`` bf16 x bf16 + FP32: A registers ``a`` (4), B ``b0, b1``, C ``c`` (4 FP32);
+        returns D (4 FP32)."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * 4),
+            [Uint32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
+        return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+    class Nvfp4GemvSm90:
+        """One (config, epilogue, bias dtype) GEMV; call through ``cute.compile``."""
+
+        def __init__(self, config: GemvConfig, epilogue: Epilogue, bias_fp32: bool):
+            config.check(epilogue)
+            self.cfg, self.epi = config, epilogue
+            self.bias_dtype = Float32 if bias_fp32 else cutlass.BFloat16
+            self.swiglu = epilogue.activation == "swiglu"
+            self.groups = config.warps // config.tiles  # warps per tile (k runs)
+            self.rows = ng.ROWS * config.tiles  # weight rows per CTA
+            self.threads = 32 * config.warps
+
+        @cute.jit
+        def __call__(self, x_ptr: Int64, tiles_ptr: Int64, gs_ptr: Int64, out_ptr: Int64, bias_ptr: Int64,
+                     res_ptr: Int64, ws_ptr: Int64, cnt_ptr: Int64, m: Int32, n_pad: Int32, n_out: Int32, k: Int32,
+                     stream):
+            gmem = cute.AddressSpace.gmem
+            k = cute.assume(k, divby=ng.BK)
+            n_rows = n_out * 2 if self.swiglu else n_out
+            mOut = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, out_ptr, gmem, assumed_align=2),
+                                    cute.make_layout((m, n_out), stride=(n_out, 1)))
+            mGs = cute.make_tensor(cute.make_ptr(Float32, gs_ptr, gmem, assumed_align=4), cute.make_layout(1))
+            mBias, mRes = None, None
+            if cutlass.const_expr(self.epi.bias):
+                mBias = cute.make_tensor(cute.make_ptr(self.bias_dtype, bias_ptr, gmem, assumed_align=2),
+                                         cute.make_layout(n_rows))
+            if cutlass.const_expr(self.epi.residual):
+                mRes = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, res_ptr, gmem, assumed_align=2),
+                                        cute.make_layout((m, n_out), stride=(n_out, 1)))
+
+            @cute.struct
+            class SharedStorage:
+                ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * SLOT_BYTES], 128]
+                fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M], 16]
+                flag: cute.struct.MemRange[Int32, 4]
+
+            self.shared_storage = SharedStorage
+            self.kernel(x_ptr, tiles_ptr, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
+                grid=(n_pad // self.rows, self.cfg.splits, 1), block=[self.threads, 1, 1], stream=stream,
+                # registers for as many CTAs as the shared memory holds; all of it as shared memory
+                min_blocks_per_mp=self.cfg.ctas_per_sm(), preferred_smem_carveout=100)
+
+        @cute.kernel
+        def kernel(self, x_ptr: Int64, tiles_ptr: Int64, mGs: cute.Tensor, mOut: cute.Tensor,
+                   mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
+                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32):
+            cfg = self.cfg
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tidx % 32
+            bx, bz, _ = cute.arch.block_idx()
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+
+            k_tiles = k // ng.BK
+            lo = bz * k_tiles // cfg.splits
+            span = (bz + 1) * k_tiles // cfg.splits - lo
+            grp = warp // cfg.tiles
+            my_lo = lo + grp * span // self.groups
+            count = lo + (grp + 1) * span // self.groups - my_lo
+            rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
+
+            slot_words = SLOT_BYTES // 4
+            ring_words = cfg.stages * slot_words  # per warp
+            words = cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32)
+            # per (slot, warp), as 32-bit words: codes (word, lane, strip, half), scales (word, quad,
+            # strip), activations (token, word)
+            sCode = cute.make_tensor(words, cute.make_layout((4, 32, 4, 2, cfg.stages, cfg.warps),
+                                                             stride=(1, 4, 128, 512, slot_words, ring_words)))
+            sScale = cute.make_tensor(words + ng.CODE_BYTES // 4, cute.make_layout(
+                (4, 8, 4, cfg.stages, cfg.warps), stride=(1, 4, 32, slot_words, ring_words)))
+            sX = cute.make_tensor(words + ng.TILE_BYTES // 4, cute.make_layout(
+                (MAX_M, X_ROW // 4, cfg.stages, cfg.warps), stride=(X_ROW // 4, 1, slot_words, ring_words)))
+            ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * SLOT_BYTES)
+            w_src = tiles_ptr + Int64(rb * k_tiles) * ng.TILE_BYTES
+
+            acc = cute.make_rmem_tensor((4, 4), Float32)  # (C register, strip)
+            acc.fill(0.0)
+            rc = cute.make_rmem_tensor((4, 2, 4), Uint32)  # (word, half, strip)
+            rs = cute.make_rmem_tensor((4, 4), Uint32)  # (word, strip)
+            rx = cute.make_rmem_tensor((2, 8), Uint32)  # (b0 | b1, k16 block)
+            g, c = lane // 4, lane % 4
+
+            for i in cutlass.range_constexpr(cfg.stages - 1):  # prologue: fill the ring
+                if i < count:
+                    self.issue(ring_addr, w_src, x_ptr, my_lo + i, i, lane, m, k)
+                cute.arch.cp_async_commit_group()
+            for i in cutlass.range(count, unroll=1):
+                cute.arch.cp_async_wait_group(cfg.stages - 2)
+                cute.arch.sync_warp()  # every lane's copies of slot i % stages have landed
+                slot = i % cfg.stages
+                for s in cutlass.range_constexpr(4):
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
+                    cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
+                for b in cutlass.range_constexpr(8):
+                    rx[0, b] = sX[g, 8 * b + c, slot, warp]
+                    rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
+                # refill the slot read in the previous iteration (its registers are consumed)
+                nxt = i + cfg.stages - 1
+                if nxt < count:
+                    self.issue(ring_addr, w_src, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
+                cute.arch.cp_async_commit_group()
+                for b in cutlass.range_constexpr(8):
+                    for s in cutlass.range_constexpr(4):
+                        a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
+                        d = mma_bf16_16816(a, rx[0, b], rx[1, b], [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
+                        for j in cutlass.range_constexpr(4):
+                            acc[j, s] = d[j]
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()
+            # this warp's partial [64 rows, 8 tokens] into its own ring slot 0 (FP32)
+            part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
+                                    cute.make_layout((ng.ROWS, MAX_M, cfg.warps), stride=(MAX_M, 1, ring_words)))
+            for s in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    part[16 * s + g + 8 * (j // 2), 2 * c + j % 2, warp] = acc[j, s]
+            cute.arch.sync_threads()
+            if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
+                self.store(storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows)
+
+        @cute.jit
+        def issue(self, ring_addr, w_src, x_ptr, kt, slot, lane, m, k):
+            """Copies of k-tile ``kt`` (weight tile, then the activations' 128 columns, zero rows
+            from token ``m``) into ring slot ``slot``, 16 bytes per lane and copy."""
+            dst = ring_addr + slot * SLOT_BYTES
+            src = w_src + Int64(kt) * ng.TILE_BYTES
+            for q in cutlass.range_constexpr(ng.TILE_BYTES // 512):
+                cp_async_16(dst + (32 * q + lane) * 16, src + (32 * q + lane) * 16, 16)
+            for q in cutlass.range_constexpr(MAX_M * 16 // 32):
+                chunk = 32 * q + lane
+                tok = chunk // 16
+                nbytes = Int32(0)
+                x_src = x_ptr
+                if tok < m:
+                    nbytes = Int32(16)
+                    x_src = x_ptr + (Int64(tok) * k + kt * ng.BK) * 2 + (chunk % 16) * 16
+                cp_async_16(dst + ng.TILE_BYTES + tok * X_ROW + (chunk % 16) * 16, x_src, nbytes)
+
+        @cute.jit
+        def reduce(self, storage, tidx, bx, bz, ws_ptr, cnt_ptr):
+            """Sum the warps' partials (fixed order) into ``fin [rows, 8]``; across K-splits through
+            the workspace and the per-row-block counter (the last CTA to arrive sums in split order).
+            Returns 1 in the CTA that holds the full sums (0 in the other CTAs of a split row block)."""
+            cfg = self.cfg
+            fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+            flag = storage.flag.get_tensor(cute.make_layout(4))
+            ring_f = cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32)
+            warp_floats = cfg.stages * SLOT_BYTES // 4
+            per_thread = self.rows * MAX_M // self.threads
+            vals = cute.make_rmem_tensor((per_thread,), Float32)
+            for e in cutlass.range_constexpr(per_thread):
+                idx = tidx + e * self.threads  # (row of the CTA, token) = (idx // 8, idx % 8)
+                t = (idx // MAX_M) // ng.ROWS
+                off = ((idx // MAX_M) % ng.ROWS) * MAX_M + idx % MAX_M
+                total = Float32(0.0)
+                for grp in cutlass.range_constexpr(self.groups):
+                    total = total + ring_f[(grp * cfg.tiles + t) * warp_floats + off]
+                vals[e] = total
+            is_last = Int32(1)
+            if cutlass.const_expr(cfg.splits > 1):
+                stride = cute.arch.grid_dim()[0] * self.rows * MAX_M  # floats per split
+                mine = ws_ptr + Int64(bx * self.rows * MAX_M + tidx) * 4
+                ws = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=4),
+                                      cute.make_layout((per_thread, cfg.splits), stride=(self.threads, stride)))
+                for e in cutlass.range_constexpr(per_thread):
+                    ws[e, bz] = vals[e]
+                cute.arch.sync_threads()
+                counter = cute.make_tensor(cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + bx,
+                                           cute.make_layout(1))
+                if tidx == 0:
+                    flag[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                cute.arch.sync_threads()
+                is_last = Int32(0)
+                if flag[0] == cfg.splits - 1:
+                    is_last = Int32(1)
+                if is_last != 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    parts = cute.make_rmem_tensor((per_thread, cfg.splits), Float32)
+                    for e in cutlass.range_constexpr(per_thread):  # every load in flight at once
+                        for j in cutlass.range_constexpr(cfg.splits):
+                            parts[e, j] = ws[e, j]
+                    for e in cutlass.range_constexpr(per_thread):
+                        total = parts[e, 0]
+                        for j in cutlass.range_constexpr(1, cfg.splits):
+                            total = total + parts[e, j]
+                        vals[e] = total
+                    if tidx == 0:
+                        counter[0] = Int32(0)  # ready for the next launch
+            for e in cutlass.range_constexpr(per_thread):
+                idx = tidx + e * self.threads
+                fin[idx // MAX_M, idx % MAX_M] = vals[e]
+            cute.arch.sync_threads()
+            return is_last
+
+        @cute.jit
+        def store(self, storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows):
+            """alpha, bias, activation, residual on ``fin``; bf16 stores (consecutive threads:
+            consecutive output columns)."""
+            cfg = self.cfg
+            fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+            alpha = mGs[0] * 128.0  # the decode's 2^-7
+            cols = SWIGLU_GROUP if self.swiglu else self.rows
+            row0 = bx * self.rows
+            col0 = bx * SWIGLU_GROUP if self.swiglu else row0
+            for e in cutlass.range_constexpr(cols * MAX_M // self.threads):
+                idx = tidx + e * self.threads
+                tok = idx // cols
+                r = idx % cols
+                col = col0 + r
+                if tok < m and col < n_out:
+                    v = fin[r, tok] * alpha
+                    if cutlass.const_expr(self.epi.bias):
+                        v = v + mBias[row0 + r].to(Float32)
+                    if cutlass.const_expr(self.swiglu):
+                        u = fin[SWIGLU_GROUP + r, tok] * alpha
+                        if cutlass.const_expr(self.epi.bias):
+                            u = u + mBias[row0 + SWIGLU_GROUP + r].to(Float32)
+                        v = v / (1.0 + cute.math.exp(-v)) * u
+                    else:
+                        v = ops.activate(v, self.epi.activation)
+                    if cutlass.const_expr(self.epi.residual):
+                        v = v + mRes[tok, col].to(Float32)
+                    mOut[tok, col] = v.to(cutlass.BFloat16)
+
+    return Nvfp4GemvSm90
+
+
+_KERNEL_CLASS = None
+_class_lock = threading.Lock()
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    with _class_lock:
+        if _KERNEL_CLASS is None:
+            _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = False, arch: str | None = None,
+                 options: str = ""):
+    """The compiled GEMV for one (config, epilogue, bias dtype), through :mod:`..cache`. The
+    executor takes data pointers ``(x, tiles, tensor_scale, out, bias, residual, workspace,
+    counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and a ``cuda.CUstream``."""
+    from quantkit.kernels.cache import compile_kernel, pin_arch
+
+    arch = pin_arch(arch)
+    from cutlass.cute.runtime import make_fake_stream
+
+    kernel = _kernel_class()(config, epilogue, bias_fp32)
+    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32)
+    n_out = ng.ROW_PAD // (2 if epilogue.activation == "swiglu" else 1)
+    return compile_kernel(key, kernel, *([0] * 8), 1, ng.ROW_PAD, n_out, ng.BK, make_fake_stream(), arch=arch,
+                          options=options)
+
+
+# ---------------------------------------------------------------------------------------- host
+def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias, residual, config: GemvConfig | None,
+                out: torch.Tensor) -> torch.Tensor:
+    """Run the GEMV on bf16 ``x [M <= 8, K]`` (contiguous, 16-byte aligned) into ``out``; the
+    caller (:func:`.nvfp4_gemm.launch_gemm`) has checked shapes and epilogue operands."""
+    import cuda.bindings.driver as cuda
+
+    m, k = x.shape
+    if not 0 < m <= MAX_M:
+        raise ValueError(f"the GEMV takes 1..{MAX_M} tokens, got {m}")
+    n_pad = w.row_exp.shape[0]
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    config = config or pick_gemv_config(n_pad, k, epilogue, num_sms)
+    config.check(epilogue)
+    bias_fp32 = bias is not None and bias.dtype == torch.float32
+    ws = counters = None
+    if config.splits > 1:
+        ctas = n_pad // (ng.ROWS * config.tiles)
+        if ctas > ng.COUNTERS:
+            raise ValueError(f"{ctas} split-K row blocks exceed the counter buffer ({ng.COUNTERS})")
+        ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
+        counters = ng.counter_buffer(x.device)
+    fn = compile_gemv(config, epilogue, bias_fp32=bias_fp32)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    fn(ptr(x), ptr(w.tiles), ptr(w.tensor_scale), ptr(out), ptr(bias), ptr(residual), ptr(ws), ptr(counters),
+       m, n_pad, out.shape[1], k, stream)
+    return out
