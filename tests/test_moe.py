@@ -106,6 +106,40 @@ def test_linearized_model_gives_the_same_logits_without_copying_weights(arch):
     assert torch.equal(experts[1].gate_proj.weight, gate) and torch.equal(experts[1].up_proj.weight, up)
 
 
+OTHER_FAMILIES = {
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=64, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+        num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1, num_experts=E, num_experts_per_tok=2),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=64, moe_intermediate_size=I, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=E, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=E, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("arch", OTHER_FAMILIES)
+def test_other_moe_families_are_linearized_and_fully_quantized(arch):
+    """Shared experts (Qwen2-MoE, DeepSeek-V3), a dense first layer (DeepSeek-V3), OLMoE: the same
+    logits after splitting, and every Linear quantized except the routers and lm_head."""
+    torch.manual_seed(0)
+    config = OTHER_FAMILIES[arch]()
+    config._experts_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    ids = tokens(2)
+    with torch.no_grad():
+        reference = model(ids).logits
+        assert linearize_experts(model) == {}
+        torch.testing.assert_close(model(ids).logits, reference, rtol=1e-12, atol=1e-12)
+    report = quantize_model(model.float(), "nvfp4-w4a16")
+    moe_layers = range(1, LAYERS) if arch == "deepseek_v3" else range(LAYERS)
+    assert {n for layer in moe_layers for e in range(E) for n in expert_names(layer, e)} <= {r.name for r in report.quantized}
+    assert {r.name for r in report.skipped} == {"lm_head"} | (
+        {f"model.layers.{layer}.mlp.shared_expert_gate" for layer in moe_layers} if arch == "qwen2_moe" else set())
+
+
 def test_unsupported_experts_layout_is_listed_with_its_reason():
     model = float_model("qwen3_moe")
     for layer in model.model.layers:
@@ -304,3 +338,31 @@ def test_compressed_tensors_decompressor_decodes_the_experts(tmp_path):
             for leaf, p in zip(("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
                 ours = getattr(model.model.layers[layer].mlp.experts[e], p).qweight.dequantize().to(torch.bfloat16).float()
                 assert torch.equal(weights[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{leaf}.weight"], ours)
+
+
+def test_cli_quantizes_a_tiny_moe_end_to_end(tmp_path, monkeypatch):
+    """`quantkit quantize` on a bf16 Mixtral directory: every expert quantized (none in the skipped
+    rows), a checkpoint with hub expert names that loads back with QuantLinear experts."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+    from test_eval_fixtures import tiny_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = tiny_tokenizer()
+    config = CONFIGS["mixtral"]()
+    config.vocab_size = len(tok)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tok.save_pretrained(tmp_path / "bf16")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "bf16"), "--out", str(tmp_path / "q"), "--format", "nvfp4",
+                                   "--samples", "4", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    assert f"{len(ALL_EXPERT_LINEARS) + 4 * LAYERS} layers quantized, 1 skipped" in res.output  # + q/k/v/o; lm_head skipped
+    assert {k for k in _keys(tmp_path / "q") if k.endswith(".weight_packed") and ".experts." in k} == {
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.{leaf}.weight_packed"
+        for layer in range(LAYERS) for e in range(E) for leaf in ("w1", "w2", "w3")}
+    model = quantkit.load(tmp_path / "q")
+    assert all(isinstance(getattr(ex, p), QuantLinear) for layer in model.model.layers for ex in layer.mlp.experts for p in PROJ)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, len(tok), (1, 8))).logits.float()).all()

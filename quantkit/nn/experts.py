@@ -118,23 +118,21 @@ def to_linear_experts(module: nn.Module) -> LinearExperts:
     if reason:
         raise ValueError(reason)
     gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
-    if module.is_transposed:  # [E, K, N] -> [E, N, K]
-        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     gate_up_bias = module.gate_up_proj_bias.detach() if module.has_bias else None
     down_bias = module.down_proj_bias.detach() if module.has_bias else None
     interleaved = not module.is_concatenated
-    inter = gate_up.shape[1] // 2
+    inter = gate_up.shape[2 if module.is_transposed else 1] // 2
+    halves = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, inter), slice(inter, None))
+
+    def weight(fused: torch.Tensor) -> torch.Tensor:  # [N, K] of one expert, transposed storage undone
+        return fused.T if module.is_transposed else fused
+
     experts = []
     for e in range(gate_up.shape[0]):
-        if interleaved:
-            rows = (slice(0, None, 2), slice(1, None, 2))
-            gate_w, up_w = (gate_up[e, r].contiguous() for r in rows)
-            gate_b, up_b = (None, None) if gate_up_bias is None else (gate_up_bias[e, r].contiguous() for r in rows)
-        else:
-            gate_w, up_w = gate_up[e, :inter], gate_up[e, inter:]
-            gate_b, up_b = (None, None) if gate_up_bias is None else (gate_up_bias[e, :inter], gate_up_bias[e, inter:])
+        gate_w, up_w = (weight(gate_up[e])[h].contiguous() for h in halves)  # contiguous views stay views
+        gate_b, up_b = (None, None) if gate_up_bias is None else (gate_up_bias[e, h].contiguous() for h in halves)
         experts.append(ExpertMLP(_linear(gate_w, gate_b), _linear(up_w, up_b),
-                                 _linear(down[e], None if down_bias is None else down_bias[e])))
+                                 _linear(weight(down[e]).contiguous(), None if down_bias is None else down_bias[e])))
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
         module._parameters.pop(name, None)
     return LinearExperts(experts, module._apply_gate, interleaved=interleaved, transposed=module.is_transposed)
