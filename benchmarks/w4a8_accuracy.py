@@ -1,0 +1,104 @@
+"""Accuracy cost of the W4A8 rounding against exact W4A16 on Gemma-3-270M (the ``demo`` model):
+WikiText-2 perplexity, CPU, float32, through the reference path (``benchmarks/notes/w4a8_format.md``).
+
+Rows: bf16 (unquantized weights), ``nvfp4-w4a16`` and ``nvfp4-w4a8``, both RTN (identical
+weights). Windows as in ``accuracy_gemma.py`` (``--windows`` x ``--seq-len`` tokens after a BOS),
+but run ``--batch`` windows per forward: with 2 x 513 = 1026 tokens every Linear sees M >= 1024,
+so ``nvfp4-w4a8`` computes the W4A8 function in every layer (the prefill case; forward hooks
+count the calls and assert it). ``nvfp4-w4a8`` at one window per forward (M = 513 < 1024, and
+every Gemma-3-270M layer has N' < 8192) takes the W4A16 path: that row checks it equals
+``nvfp4-w4a16``.
+
+    OMP_NUM_THREADS=1 python benchmarks/w4a8_accuracy.py --out w4a8_accuracy.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accuracy_gemma import wikitext_windows  # noqa: E402  (benchmarks/accuracy_gemma.py)
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch: int) -> float:
+    """exp of the mean next-token NLL over every token after each window's BOS, ``batch`` windows
+    per forward."""
+    nll = 0.0
+    for b in range(0, windows.shape[0], batch):
+        ids = windows[b:b + batch]
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+    return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+def count_paths(model) -> tuple[dict[str, int], list]:
+    """Forward hooks counting, per QuantLinear call, whether ``use_w4a8(M, N')`` held."""
+    from quantkit.formats.w4a8 import use_w4a8
+    from quantkit.nn import QuantLinear
+
+    counts = {"w4a8": 0, "w4a16": 0}
+
+    def hook(module, args):
+        m = args[0].numel() // args[0].shape[-1]
+        counts["w4a8" if use_w4a8(m, module.out_features) else "w4a16"] += 1
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, QuantLinear)]
+    return counts, handles
+
+
+def main() -> None:
+    from quantkit.calibrate.pipeline import quantize
+    from quantkit.calibrate.recipe import Recipe
+    from quantkit.models import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--windows", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2, help="windows per forward (M = batch x (seq_len + 1))")
+    p.add_argument("--out", type=Path, default=Path("w4a8_accuracy.json"))
+    args = p.parse_args()
+
+    base, tokenizer = load_model("demo", dtype=torch.float32)
+    windows = wikitext_windows(tokenizer, args.windows, args.seq_len)
+    results = {"setup": {"windows": args.windows, "seq_len": args.seq_len, "batch": args.batch,
+                         "tokens_per_forward": args.batch * (args.seq_len + 1), "threads": torch.get_num_threads()}}
+
+    def record(key: str, model, batch: int) -> None:
+        counts, handles = count_paths(model)
+        t = time.time()
+        results[key] = {"ppl": perplexity(model, windows, batch), "batch": batch, "calls": dict(counts),
+                        "eval_s": round(time.time() - t, 1)}
+        for h in handles:
+            h.remove()
+        args.out.write_text(json.dumps(results, indent=1))
+        print(key, json.dumps(results[key]), flush=True)
+
+    record("bf16", base, args.batch)
+    models = {}
+    for fmt in ("nvfp4-w4a16", "nvfp4-w4a8"):
+        models[fmt] = copy.deepcopy(base)
+        quantize(models[fmt], Recipe.parse(fmt, "rtn"), None)  # RTN: no calibration data
+    sd16, sd8 = models["nvfp4-w4a16"].state_dict(), models["nvfp4-w4a8"].state_dict()
+    assert sd16.keys() == sd8.keys() and all(torch.equal(sd16[k], sd8[k]) for k in sd16), "weights differ"
+    record("nvfp4-w4a16", models["nvfp4-w4a16"], args.batch)
+    record("nvfp4-w4a8", models["nvfp4-w4a8"], args.batch)
+    assert results["nvfp4-w4a8"]["calls"]["w4a16"] == 0 or args.batch * (args.seq_len + 1) < 1024
+    record("nvfp4-w4a8|batch1", models["nvfp4-w4a8"], 1)
+    print("\n| model | tokens per forward | Linear calls W4A8 / W4A16 | WikiText-2 ppl |\n|---|---|---|---|")
+    for key, row in results.items():
+        if key != "setup":
+            tokens = row["batch"] * (args.seq_len + 1)
+            print(f"| {key} | {tokens} | {row['calls']['w4a8']} / {row['calls']['w4a16']} | {row['ppl']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
