@@ -5,7 +5,8 @@ checked on fresh random-normal inputs against float64 math (output poisoned with
 launch). Times are medians over CUDA-graph replays (CUDA events), with inputs rotated across enough
 copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
-candidate tile config per shape and prints the dispatch table it implies.
+candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
+times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest.
 """
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ CANDIDATES = [
     fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
 TUNE_M = (1, 16, 64, 128, 512, 4096)
+# Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
+# tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
+# overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
+LARGE_CANDIDATES = [
+    fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=2), fbg.TileConfig(128, 128, 1, 2, raster=4),
+    fbg.TileConfig(128, 128, 1, 2, raster=8), fbg.TileConfig(128, 128, 2, 1, raster=4),
+    fbg.TileConfig(128, 192, overlap=False, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
+]
 
 
 def gemm_f64(xq, xs, wq, ws):
@@ -105,6 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-rows", type=int, default=None, metavar="M",
+                        help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
@@ -135,6 +146,18 @@ def main() -> None:
 
     for n, k, m in SQUARE + DSV3 + LLAMA:
         prob = Problem(m, n, k, gen)
+        if args.tune_rows is not None and m >= args.tune_rows:
+            times = {}
+            for cand in LARGE_CANDIDATES:
+                try:
+                    prob.check(cand)
+                    times[str(cand)] = prob.ours(cand)
+                except (AssertionError, RuntimeError) as err:  # report and keep tuning
+                    print(f"  {cand} M={m} N={n} K={k}: {str(err).splitlines()[0][:160]}", flush=True)
+                    times[str(cand)] = float("inf")
+            tuned[(n, k, m)] = min(LARGE_CANDIDATES, key=lambda c: times[str(c)])
+            results["tune"][f"{n}x{k}@{m}"] = times
+            print(f"tune N={n:6d} K={k:6d} M={m:5d}: " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
         cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
         err = prob.check(cfg)
         t_ours, t_bf16, t_smm = prob.ours(cfg), prob.bf16(), prob.scaled_mm_rowwise()
@@ -146,11 +169,15 @@ def main() -> None:
               f" | scaled_mm {tf(t_smm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16 x{t_smm / t_ours:.2f} smm | err {err:.1e}", flush=True)
         if (m, n, k) in [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (16, 4096, 4096)]:
             epi = Epilogue(bias=True, activation="silu", requant="fp8-block")
+            epi_cfg = fbg.pick_config(m, n, k, epi)
             bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
-            t_epi = prob.ours(fbg.pick_config(m, n, k, epi), epi, bias)
-            t_bare = prob.ours(fbg.pick_config(m, n, k, epi))
-            results["epilogue"].append(dict(m=m, n=n, k=k, bare_us=t_bare, bias_silu_requant_us=t_epi))
-            print(f"  epilogue bias+silu+requant: {t_epi:8.1f} us vs bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}", flush=True)
+            t_epi = prob.ours(epi_cfg, epi, bias)
+            t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
+            t_bare = prob.ours(epi_cfg)
+            results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_bare, bias_silu_us=t_silu,
+                                            bias_silu_requant_us=t_epi))
+            print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
+                  f" bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}, x{t_silu / t_bare:.3f}", flush=True)
         del prob
 
     for m, k in [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
@@ -167,6 +194,12 @@ def main() -> None:
     for r in results["rows"]:
         print(f"| {r['m']} | {r['n']} | {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['ours_tflops']:.0f} | {r['bf16_tflops']:.0f} "
               f"| {r['scaled_mm_tflops']:.0f} | {r['bf16_us'] / r['ours_us']:.2f} | {r['scaled_mm_us'] / r['ours_us']:.2f} |")
+    print("\n| M, N, K | config | bare µs | bias+silu µs (x) | bias+silu+requant µs (x) |")
+    print("|---|---|---|---|---|")
+    for r in results["epilogue"]:
+        print(f"| {r['m']}, {r['n']}, {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['bare_us']:.1f} "
+              f"| {r['bias_silu_us']:.1f} ({r['bias_silu_us'] / r['bare_us']:.2f}) "
+              f"| {r['bias_silu_requant_us']:.1f} ({r['bias_silu_requant_us'] / r['bare_us']:.2f}) |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gemm_fp8_block.json").write_text(json.dumps(results, indent=1))

@@ -17,6 +17,17 @@ cutlass = pytest.importorskip("cutlass")
 from quantkit.kernels.sm90 import act_quant as aq  # noqa: E402
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
 
+# Variants beyond the dispatch table that must stay correct: raster groups, multicast + raster,
+# 192-column tiles (two weight-scale blocks per tile), no overlap.
+EXTRA_CONFIGS = [
+    fbg.TileConfig(128, 128, overlap=False),
+    fbg.TileConfig(128, 128, raster=4),
+    fbg.TileConfig(128, 128, 1, 2, raster=2),
+    fbg.TileConfig(128, 128, 1, 2, raster=8),
+    fbg.TileConfig(128, 128, 2, 1, raster=4),
+    fbg.TileConfig(128, 192, overlap=False, raster=4),
+    fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
+]
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -143,6 +154,20 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 128).check(Epilogue(activation="swiglu", requant="fp8-block"))
     with pytest.raises(ValueError):
         fbg.TileConfig(96, 128).check(Epilogue())
+    with pytest.raises(ValueError):  # three 96-column accumulators do not fit in registers
+        fbg.TileConfig(128, 192).check(Epilogue())
+    with pytest.raises(ValueError):
+        fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
+
+
+def test_pick_config_gives_requant_a_128_column_tile():
+    cfg = fbg.TileConfig(128, 192, overlap=False, raster=4)
+    fbg._DISPATCH[(512, 1024)] = tuple((m, cfg) for m, _ in fbg._DEFAULT)
+    try:
+        got = fbg.pick_config(4096, 512, 1024, Epilogue(requant="fp8-block"))
+    finally:
+        del fbg._DISPATCH[(512, 1024)]
+    assert got == fbg.TileConfig(128, 128, raster=4)
 
 
 def test_custom_op_fake_shapes():
@@ -174,7 +199,7 @@ def _ptx(tmp_path, name, compile_fn):
 
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
-    configs.add(fbg.TileConfig(128, 128, overlap=False))
+    configs.update(EXTRA_CONFIGS)
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     for i, (cfg, epi) in enumerate(jobs):
@@ -212,7 +237,7 @@ def _operands(m, n, k, gen):
 def test_gpu_gemm_matches_float64(m, n, k):
     gen = torch.Generator("cuda").manual_seed(m * 7 + n + k)
     xq, xs, wq, ws = _operands(m, n, k, gen)
-    configs = {cfg for _, cfg in fbg._DEFAULT} | {fbg.pick_config(m, n, k), fbg.TileConfig(128, 128, overlap=False)}
+    configs = {cfg for _, cfg in fbg._DEFAULT} | {fbg.pick_config(m, n, k), *EXTRA_CONFIGS}
     for cfg in sorted(configs, key=str):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         fbg.fp8_block_gemm(xq, xs, wq, ws, config=cfg, out=out)
@@ -224,7 +249,7 @@ def test_gpu_gemm_matches_float64(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("epi", EPILOGUES, ids=str)
-@pytest.mark.parametrize("m", [1, 129, 1000])
+@pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
 def test_gpu_epilogues_match_float64(m, epi):
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 11)

@@ -51,13 +51,16 @@ _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C *
 @dataclass(frozen=True)
 class TileConfig:
     """CTA tile and cluster shape: ``tile_m`` in {64, 128} (one consumer warpgroup per 64 rows),
-    ``tile_n`` in {64, 128}; clusters of at most 2 CTAs multicast the shared operand."""
+    ``tile_n`` in {64, 128, 192} (192: a tile spans two weight-scale blocks, and three 96-column
+    accumulators would not fit in registers, so no overlap); clusters of at most 2 CTAs multicast
+    the shared operand."""
 
     tile_m: int = 128
     tile_n: int = 128
     cluster_m: int = 1
     cluster_n: int = 1
     overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % 4 == 0)
+    raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -66,10 +69,14 @@ class TileConfig:
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this tile cannot run ``epilogue``."""
-        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128):
+        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192):
             raise ValueError(f"unsupported tile {self.tile_m}x{self.tile_n}")
+        if self.tile_n == 192 and self.overlap:
+            raise ValueError("tile_n = 192 needs overlap=False (two 96-column temporaries exceed the register budget)")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
+        if self.raster < 1:
+            raise ValueError(f"raster group must be >= 1, got {self.raster}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -174,8 +181,9 @@ class Fp8BlockGemmSm90:
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
         out_tile = (self.cfg.tile_m, self.out_tile_n)
-        self.epi_tile = (self.cfg.tile_m, 32)  # spans every consumer warpgroup's rows
-        self.epi_stage = 4
+        # bf16: 4 buffers of (tile_m x 32) columns; requant: the whole FP8 tile (tile_m x 128 bytes) in one.
+        self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)  # spans every consumer warpgroup's rows
+        self.epi_stage = 1 if self.requant else 4
         self._make_smem_layouts()
 
         tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
@@ -184,17 +192,14 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSA,
             cute.slice_(self.sa_smem_staged, (None, None, 0)), (self.cfg.tile_m, 1),
         )
-        tma_d, tD = None, None  # requant stores FP8 straight from registers
-        if cutlass.const_expr(not self.requant):
-            tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
-                cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
-            )
+        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+            cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
+        )
         num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
-        sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), 1, True)
+        # raster > 1 rounds the N-cluster count up to a multiple of it: the kernel skips those clusters.
+        sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
-
-        epi_elems = 1 if self.requant else cute.cosize(self.epi_smem_staged)
 
         @cute.struct
         class SharedStorage:
@@ -202,7 +207,7 @@ class Fp8BlockGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, epi_elems], 1024]  # 1 (unused) with requant
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -216,7 +221,7 @@ class Fp8BlockGemmSm90:
 
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
-        bytes_epi = 0 if self.requant else self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
@@ -228,7 +233,7 @@ class Fp8BlockGemmSm90:
         self.a_smem_staged = staged(self.cfg.tile_m, self.ab_dtype, BLOCK, (self.cfg.tile_m, BLOCK, self.ab_stage), (0, 1, 2))
         self.b_smem_staged = staged(self.cfg.tile_n, self.ab_dtype, BLOCK, (self.cfg.tile_n, BLOCK, self.ab_stage), (0, 1, 2))
         self.sa_smem_staged = cute.make_layout((self.cfg.tile_m, 1, self.ab_stage), stride=(1, 0, self.cfg.tile_m))
-        self.epi_smem_staged = None if self.requant else staged(
+        self.epi_smem_staged = staged(
             self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
         )
 
@@ -260,8 +265,7 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_sa)
-            if cutlass.const_expr(not self.requant):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
@@ -290,10 +294,8 @@ class Fp8BlockGemmSm90:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sSA = storage.sSA.get_tensor(sa_smem_staged)
-        sD, gD = None, None
-        if cutlass.const_expr(not self.requant):
-            sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-            gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
+        sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
 
         # (bM, bK, RestM, RestK) etc.
         gA = cute.local_tile(mA, (self.cfg.tile_m, BLOCK), (None, None))
@@ -312,6 +314,7 @@ class Fp8BlockGemmSm90:
             tma_sa, 0, cute.make_layout(1), cute.group_modes(sSA, 0, 2), cute.group_modes(gSA, 0, 2)
         )
         k_tiles = cute.size(gA, mode=[3])
+        n_tiles = cute.size(gB, mode=[2])
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
@@ -320,19 +323,19 @@ class Fp8BlockGemmSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._producer(
-                    ab_pipe, sched_params, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
+                    ab_pipe, sched_params, k_tiles, n_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
                     tma_sa, tSgS, tSsS,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consumer(
-                tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
+                tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
                 tma_d, mSB, mD, mBias, mRes, mDS,
             )
 
     @cute.jit
     def _producer(
-        self, ab_pipe, sched_params, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
+        self, ab_pipe, sched_params, k_tiles, n_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
         tma_sa, tSgS, tSsS,
     ):
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -340,21 +343,22 @@ class Fp8BlockGemmSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
-            for kt in range(k_tiles):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[(None, tm, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                cute.copy(tma_b, tBgB[(None, tn, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                cute.copy(tma_sa, tSgS[(None, tm, kt)], tSsS[(None, state.index)], tma_bar_ptr=bar)
-                ab_pipe.producer_commit(state)
-                state.advance()
+            if self._real_tile(tn, n_tiles):
+                for kt in range(k_tiles):
+                    ab_pipe.producer_acquire(state)
+                    bar = ab_pipe.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA[(None, tm, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                    cute.copy(tma_b, tBgB[(None, tn, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                    cute.copy(tma_sa, tSgS[(None, tm, kt)], tSsS[(None, state.index)], tma_bar_ptr=bar)
+                    ab_pipe.producer_commit(state)
+                    state.advance()
             sched.advance_to_next_work()
             work = sched.get_current_work()
         ab_pipe.producer_tail(state)
 
     @cute.jit
     def _consumer(
-        self, tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, ctid, warp_idx, sA, sB, sSA, sD, gD, tma_d, mSB, mD,
+        self, tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, ctid, warp_idx, sA, sB, sSA, sD, gD, tma_d, mSB, mD,
         mBias, mRes, mDS,
     ):
         wg = ctid // 128
@@ -381,7 +385,12 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.swiglu):
             out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype)
 
-        # bf16 epilogue copies: registers -> smem (stmatrix) -> gmem (TMA), one epi_tile at a time.
+        # Output: registers -> smem -> gmem (TMA store). bf16 through stmatrix, one epi_tile at a time;
+        # FP8 (requant) by each thread's column pairs at their coordinates, the whole tile at once.
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
         if cutlass.const_expr(not self.requant):
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
@@ -392,99 +401,111 @@ class Fp8BlockGemmSm90:
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
             size_rD = cute.size(tRS_rD)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-            )
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         m_total = mD.shape[0]
+        tiles_done = cutlass.Int32(0)  # real tiles stored so far: rotates the epilogue smem buffers
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
-            acc.fill(0.0)
-            n_block = (tn * self.cfg.tile_n + col0) // BLOCK
-            if cutlass.const_expr(not self.cfg.overlap):
-                for kt in range(k_tiles):
-                    w_scale = mSB[n_block, kt]
-                    ab_pipe.consumer_wait(state)
-                    tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, state.index, k_blocks)
-                    s_lo = sSA[(row_lo, 0, state.index)] * w_scale
-                    s_hi = sSA[(row_hi, 0, state.index)] * w_scale
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(state)
-                    state.advance()
-                    self._promote(acc, tmp, s_lo, s_hi, n_frag)
-            else:
-                # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs. Groups of
-                # OVERLAP_UNROLL k-tiles end with wait_group(0): ptxas serializes WGMMA (C7514) when an
-                # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
-                read = state.clone()
-                for kt0 in range(0, k_tiles, OVERLAP_UNROLL):
-                    s_lo = [None] * OVERLAP_UNROLL
-                    s_hi = [None] * OVERLAP_UNROLL
-                    for u in cutlass.range_constexpr(OVERLAP_UNROLL):
-                        w_scale = mSB[n_block, kt0 + u]
-                        ab_pipe.consumer_wait(read)
-                        tiled_mma = self._issue(tiled_mma, (tmp, tmp2)[u % 2], tCrA, tCrB, read.index, k_blocks)
-                        s_lo[u] = sSA[(row_lo, 0, read.index)] * w_scale
-                        s_hi[u] = sSA[(row_hi, 0, read.index)] * w_scale
-                        read.advance()
-                        if cutlass.const_expr(u > 0):
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            ab_pipe.consumer_release(state)
-                            state.advance()
-                            self._promote(acc, (tmp, tmp2)[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(state)
-                    state.advance()
-                    self._promote(acc, (tmp, tmp2)[(OVERLAP_UNROLL - 1) % 2], s_lo[-1], s_hi[-1], n_frag)
+            if self._real_tile(tn, n_tiles):
+                acc.fill(0.0)
+                n_block = (tn * self.cfg.tile_n + col0) // BLOCK
+                if cutlass.const_expr(not self.cfg.overlap):
+                    seg_blocks = self._segment_blocks(tn, mSB.shape[0])
+                    for kt in range(k_tiles):
+                        w_scales = [mSB[b, kt] for b in seg_blocks]
+                        ab_pipe.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, state.index, k_blocks)
+                        s_lo = [sSA[(row_lo, 0, state.index)] * w for w in w_scales]
+                        s_hi = [sSA[(row_hi, 0, state.index)] * w for w in w_scales]
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(state)
+                        state.advance()
+                        self._promote(acc, tmp, s_lo, s_hi, n_frag)
+                else:
+                    # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs. Groups of
+                    # OVERLAP_UNROLL k-tiles end with wait_group(0): ptxas serializes WGMMA (C7514) when an
+                    # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
+                    read = state.clone()
+                    for kt0 in range(0, k_tiles, OVERLAP_UNROLL):
+                        s_lo = [None] * OVERLAP_UNROLL
+                        s_hi = [None] * OVERLAP_UNROLL
+                        for u in cutlass.range_constexpr(OVERLAP_UNROLL):
+                            w_scale = mSB[n_block, kt0 + u]
+                            ab_pipe.consumer_wait(read)
+                            tiled_mma = self._issue(tiled_mma, (tmp, tmp2)[u % 2], tCrA, tCrB, read.index, k_blocks)
+                            s_lo[u] = [sSA[(row_lo, 0, read.index)] * w_scale]
+                            s_hi[u] = [sSA[(row_hi, 0, read.index)] * w_scale]
+                            read.advance()
+                            if cutlass.const_expr(u > 0):
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                ab_pipe.consumer_release(state)
+                                state.advance()
+                                self._promote(acc, (tmp, tmp2)[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(state)
+                        state.advance()
+                        self._promote(acc, (tmp, tmp2)[(OVERLAP_UNROLL - 1) % 2], s_lo[-1], s_hi[-1], n_frag)
 
-            m0 = tm * self.cfg.tile_m
-            self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
+                m0 = tm * self.cfg.tile_m
+                self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
 
-            if cutlass.const_expr(self.requant):
-                self._store_fp8(out, tCcOut, m0, tn * self.out_tile_n, m_total, mD)
-            else:
                 gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
                 bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                     tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
                 )
-                epi_tiles = cute.size(gD_epi, mode=[1])
-                epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
-                done_before = sched.num_tiles_executed * epi_tiles
-                for e in cutlass.range_constexpr(epi_tiles):
-                    for v in cutlass.range_constexpr(size_rD):
-                        tRS_rD[v] = tRS_rOut[e * size_rD + v]
-                    tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                    buf = (done_before + e) % self.epi_stage
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                if cutlass.const_expr(self.requant):
+                    # The previous tile's store must have read sD before anyone overwrites it.
+                    if warp_idx == 4:
+                        store_pipe.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
+                    self._store_fp8_smem(out, tCcOut, sD)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
                     if warp_idx == 4:
-                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+                        cute.copy(tma_d, bSG_sD[(None, 0)], bSG_gD[(None, 0)])
                         store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
-                    self.epi_barrier.arrive_and_wait()
+                else:
+                    epi_tiles = cute.size(gD_epi, mode=[1])
+                    epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
+                    done_before = tiles_done * epi_tiles
+                    for e in cutlass.range_constexpr(epi_tiles):
+                        for v in cutlass.range_constexpr(size_rD):
+                            tRS_rD[v] = tRS_rOut[e * size_rD + v]
+                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                        buf = (done_before + e) % self.epi_stage
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
+                        if warp_idx == 4:
+                            cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        self.epi_barrier.arrive_and_wait()
+                tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        if cutlass.const_expr(not self.requant):
-            store_pipe.producer_tail()
+        store_pipe.producer_tail()
+
+    def _real_tile(self, tn, n_tiles):
+        """False for the N-clusters past ``N`` that a raster group > 1 adds (whole clusters only, so
+        multicast peers agree)."""
+        return tn - tn % self.cfg.cluster_n < n_tiles
 
     @cute.jit
-    def _store_fp8(self, out, tCcOut, m0, n0, m_total, mD):
-        """Requant output: each thread's adjacent column pairs straight to gmem (2-byte stores, rows < M)."""
-        pairs = cute.zipped_divide(mD, (1, 2))
+    def _store_fp8_smem(self, out, tCcOut, sD):
+        """Requant output into the (swizzled) FP8 tile buffer: each thread's adjacent column pairs
+        at their tile coordinates (2-byte stores; the swizzle keeps a pair contiguous)."""
+        pairs = cute.zipped_divide(sD[(None, None, 0)], (1, 2))
         pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
         for j in cutlass.range_constexpr(cute.size(out, mode=[0]) // 4):
             for h in cutlass.range_constexpr(2):
                 coord = tCcOut[((0, h, j), 0, 0)]
-                m = m0 + coord[0]
-                if m < m_total:
-                    pair[0, 0] = out[((0, h, j), 0, 0)]
-                    pair[0, 1] = out[((1, h, j), 0, 0)]
-                    pairs[(None, (m, (n0 + coord[1]) // 2))].store(pair.load().to(cutlass.Float8E4M3FN))
+                pair[0, 0] = out[((0, h, j), 0, 0)]
+                pair[0, 1] = out[((1, h, j), 0, 0)]
+                pairs[(None, (coord[0], coord[1] // 2))].store(pair.load().to(cutlass.Float8E4M3FN))
 
     @cute.jit
     def _issue(self, tiled_mma, tmp, tCrA, tCrB, stage, k_blocks):
@@ -498,13 +519,26 @@ class Fp8BlockGemmSm90:
         cute.nvgpu.warpgroup.commit_group()
         return tiled_mma  # rebound by the caller so loops carry it
 
+    def _segment_blocks(self, tn, num_blocks):
+        """Weight-scale block row of each 64-column segment of N-tile ``tn``: one block for
+        ``tile_n <= 128``; for 192, segments 0 and 2 lie in blocks ``3tn/2`` and ``3tn/2 + 1`` and
+        segment 1 in the first if ``tn`` is even, else in the second (clamped to the last block)."""
+        if cutlass.const_expr(self.cfg.tile_n <= BLOCK):
+            return [tn * self.cfg.tile_n // BLOCK]
+        first = tn * 3 // 2
+        second = cutlass.min(first + 1, num_blocks - 1)
+        return [first, cutlass.min(first + tn % 2, num_blocks - 1), second]
+
     @cute.jit
     def _promote(self, acc, tmp, s_lo, s_hi, n_frag):
-        """``acc += tmp * scale`` with the row scale of each element's row group (rows r, r + 8)."""
+        """``acc += tmp * scale`` with the scale of each element's row group (rows r, r + 8; lists
+        ``s_lo``, ``s_hi``) and 64-column segment (fragment block ``j`` covers columns ``8j .. 8j+7``;
+        one list entry serves the whole tile)."""
         for j in cutlass.range_constexpr(n_frag):
+            seg = min(j // 8, len(s_lo) - 1)
             for c in cutlass.range_constexpr(2):
-                acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo
-                acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi
+                acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo[seg]
+                acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi[seg]
 
     @cute.jit
     def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
@@ -575,40 +609,43 @@ class Fp8BlockGemmSm90:
 
 
 # ==================================================================== host side
-# Measured dispatch (H200, benchmarks/gemm_fp8_block.py --tune; benchmarks/notes/fp8_block.md): the
-# fastest of the candidate tiles at M = 1, 16, 64, 128, 512, 4096, used for M up to that bucket.
+# Measured dispatch (H200, benchmarks/gemm_fp8_block.py --tune / --tune-rows; benchmarks/notes/fp8_block.md):
+# the fastest of the candidate tiles at M = 1, 16, 64, 128, 512, 4096 (8192 for 8192x8192), used for
+# M up to that bucket.
 _M_BUCKETS = (1, 16, 64, 128, 512, 1 << 31)
 _S, _W = TileConfig(64, 64), TileConfig(64, 128)  # small-M tiles
 _T, _L = TileConfig(128, 64), TileConfig(128, 128)  # large-M tiles
-_WC, _LC = TileConfig(64, 128, 1, 2), TileConfig(128, 128, 1, 2)  # clusters of 2 along N
+_WC = TileConfig(64, 128, 1, 2)  # cluster of 2 along N (A multicast)
+_LC4 = TileConfig(128, 128, 1, 2, raster=4)  # A multicast, raster groups of 4 clusters (operands > L2)
+_N4 = TileConfig(128, 192, overlap=False, raster=4)  # 192-column tiles: N = 2112 is 11 of them
 _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
     (n, k): tuple(zip(_M_BUCKETS, cfgs))
     for (n, k), cfgs in {
-        (2112, 7168): (_S, _S, _S, _S, _T, _L),
+        (2112, 7168): (_S, _S, _S, _S, _T, _N4),
         (4096, 4096): (_W, _W, _S, _S, _L, _L),
-        (4096, 7168): (_W, _W, _S, _S, _L, _L),
-        (4096, 14336): (_W, _W, _S, _S, _L, _L),
+        (4096, 7168): (_W, _W, _S, _S, _L, _LC4),
+        (4096, 14336): (_W, _W, _S, _S, _L, _LC4),
         (6144, 4096): (_WC, _W, _S, _T, _L, _L),
         (7168, 2048): (_WC, _WC, _S, _T, _L, _L),
-        (7168, 16384): (_WC, _WC, TileConfig(64, 64, overlap=False), _T, _L, _LC),
-        (8192, 8192): (_WC, _WC, _S, _T, _L, _L),
+        (7168, 16384): (_WC, _WC, TileConfig(64, 64, overlap=False), _T, _L, _LC4),
+        (8192, 8192): (_WC, _WC, _S, _T, _L, _LC4),
         (24576, 1536): (_W, _W, _W, _T, _L, _L),
         (28672, 4096): (_WC, _WC, _W, _L, _L, _L),
     }.items()
 }
 # For shapes not in the table: the tile with the least summed time over the tuned shapes per bucket.
-_DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _S, _T, _L, _L)))
+_DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _S, _T, _L, _LC4)))
 
 
 def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
-    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; widened to
+    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; set to
     ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""
     for max_m, cfg in _DISPATCH.get((n, k), _DEFAULT):
         if m <= max_m:
             break
     needs_full_groups = epilogue.activation == "swiglu" or epilogue.requant is not None
-    if needs_full_groups and cfg.tile_n < BLOCK:
-        cfg = TileConfig(cfg.tile_m, BLOCK, cfg.cluster_m, cfg.cluster_n)
+    if needs_full_groups and cfg.tile_n != BLOCK:
+        cfg = replace(cfg, tile_n=BLOCK, overlap=True)
     return cfg
 
 
