@@ -302,16 +302,17 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
-        assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1)
+        assert ("griddepcontrol.wait" in text) == pdl  # split-K turnstile only when split
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0)  # PDL variant
     quant = ptx("act_quant")
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
-GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, epilogue)
-    (4, 1, 4, 1, Epilogue()),
-    (8, 1, 2, 3, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
-    (4, 2, 4, 2, Epilogue(bias=True, activation="swiglu", residual=True)),
+GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, epilogue)
+    (4, 1, 4, 1, 8, False, Epilogue()),
+    (8, 1, 2, 3, 1, True, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
+    (4, 2, 4, 2, 4, False, Epilogue(bias=True, activation="swiglu", residual=True)),
 ]
 
 
@@ -324,27 +325,30 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
         from quantkit.kernels.sm90 import nvfp4_gemv as gv
-        for i, (w, t, st, sp, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+        for i, (w, t, st, sp, tok, pdl, bias, act, res) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            gv.compile_gemv(gv.GemvConfig(w, t, st, sp), Epilogue(bias=bias, activation=act, residual=res),
+            gv.compile_gemv(gv.GemvConfig(w, t, st, sp, tok, pdl), Epilogue(bias=bias, activation=act, residual=res),
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
     """)
-    cases = [(w, t, st, sp, e.bias, e.activation, e.residual) for w, t, st, sp, e in GEMV_COMPILE_CASES]
+    cases = [(w, t, st, sp, tok, pdl, e.bias, e.activation, e.residual)
+             for w, t, st, sp, tok, pdl, e in GEMV_COMPILE_CASES]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (_w, _t, stages, splits, _e) in enumerate(GEMV_COMPILE_CASES):
+    for i, (_w, _t, stages, splits, tokens, pdl, _e) in enumerate(GEMV_COMPILE_CASES):
         d = tmp_path / str(i)
         text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
         assert ".target sm_90a" in text and "wgmma" not in text
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32  # 4 strips x 8 k16 blocks
-        # 9 weight + 4 activation copies per k-tile: stages - 1 in the prologue, 1 in the loop
-        assert text.count("cp.async.cg.shared.global.L2::128B") == 13 * stages
+        # 9 weight + tokens/2 (at least 1) activation copies per k-tile: stages - 1 in the prologue,
+        # 1 in the loop
+        assert text.count("cp.async.cg.shared.global.L2::128B") == (9 + max(1, tokens // 2)) * stages
         assert text.count("ld.shared.v4.b32") == 12  # 2 code + 1 scale words per strip
         assert "ld.local" not in text and "st.local" not in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1)
+        assert ("griddepcontrol.wait" in text) == pdl
 
 
 def test_gemv_config_rule_fills_one_wave_and_fits_shared_memory():
@@ -352,13 +356,14 @@ def test_gemv_config_rule_fills_one_wave_and_fits_shared_memory():
 
     for n_pad, k in ((4096, 4096), (6144, 4096), (57344, 8192), (8192, 28672)):
         for epi in (Epilogue(), Epilogue(activation="swiglu")):
-            cfg = gv.pick_gemv_config(n_pad, k, epi)
+            cfg = gv.pick_gemv_config(1, n_pad, k, epi)
             cfg.check(epi)
             ctas = n_pad // (64 * cfg.tiles)
             assert cfg.splits == 1 or ctas * cfg.splits <= cfg.ctas_per_sm() * 132  # split only within one wave
             assert (k // 128) // cfg.splits // (cfg.warps // cfg.tiles) >= 2  # >= 2 k-tiles per warp
-    assert gv.pick_gemv_config(4096, 4096, Epilogue()).splits == 4  # 64 CTAs x 4 = 256 <= 2 x 132
-    assert gv.pick_gemv_config(57344, 8192, Epilogue()).splits == 1
+    assert gv.pick_gemv_config(1, 4096, 4096, Epilogue()).splits == 4  # 64 CTAs x 4 = 256 <= 2 x 132
+    assert gv.pick_gemv_config(1, 57344, 8192, Epilogue()).splits == 1
+    assert [gv.pick_gemv_config(m, 4096, 4096, Epilogue()).tokens for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
     with pytest.raises(ValueError):
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
@@ -461,7 +466,7 @@ def test_gpu_gemv_matches_float64_reference(m, config, epi):
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
-    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else gv.pick_gemv_config(n, k, epi)
+    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else gv.pick_gemv_config(m, n, k, epi)
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

@@ -21,6 +21,7 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   scale, bias, activation incl. SwiGLU, residual) writes bf16.
 """
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -31,50 +32,58 @@ from quantkit.kernels.sm90 import nvfp4_gemm as ng
 
 MAX_M = 8  # tokens: the MMA N
 X_ROW = 272  # bytes per token row of a k-tile's activations in the ring (256 + 16: no bank conflicts)
-SLOT_BYTES = ng.TILE_BYTES + MAX_M * X_ROW
 _SMEM = 227 * 1024
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """``warps`` per CTA, ``tiles`` 64-row tiles per CTA (2 for SwiGLU), ``stages`` ring slots per
-    warp (``stages - 1`` k-tiles in flight), ``splits`` K-splits across CTAs."""
+    warp (``stages - 1`` k-tiles in flight), ``splits`` K-splits across CTAs, ``tokens`` activation
+    rows a ring slot holds (1, 2, 4 or 8: the most tokens it serves), ``pdl``: programmatic
+    dependent launch (the weight copies of the first slots start before the previous grid ends)."""
 
     warps: int = 4
     tiles: int = 1
     stages: int = 4
     splits: int = 1
+    tokens: int = MAX_M
+    pdl: bool = False
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this config cannot run ``epilogue``."""
         threads = 32 * self.warps
         if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
-                or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM):
+                or self.tokens not in (1, 2, 4, 8) or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM):
             raise ValueError(f"unsupported GEMV config {self}")
         if (epilogue.activation == "swiglu") != (self.tiles == 2):
             raise ValueError("swiglu needs tiles=2 (the gate and up halves of a 128-row group), and only swiglu")
         if epilogue.requant is not None:
             raise ValueError("the NVFP4 sm90 GEMV writes bf16 only (no requant epilogue)")
 
+    def slot_bytes(self) -> int:
+        """One ring slot: a weight tile and ``tokens`` activation rows."""
+        return ng.TILE_BYTES + self.tokens * X_ROW
+
     def smem_bytes(self) -> int:
         """Shared memory per CTA: the warps' rings, the reduced tile, 1 KB reserved by the system."""
-        return self.warps * self.stages * SLOT_BYTES + ng.ROWS * self.tiles * MAX_M * 4 + 1024 + 64
+        return self.warps * self.stages * self.slot_bytes() + ng.ROWS * self.tiles * MAX_M * 4 + 1024 + 64
 
     def ctas_per_sm(self) -> int:
         """CTAs that fit one SM's shared memory."""
         return max(1, _SMEM // self.smem_bytes())
 
 
-def pick_gemv_config(n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132, warps: int = 4,
+def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132, warps: int = 4,
                      stages: int = 4) -> GemvConfig:
-    """``warps`` x ``stages`` (default 4 x 4: 2 CTAs per SM); K-splits only while the grid stays
-    within one wave and every warp keeps at least 2 k-tiles."""
+    """``warps`` x ``stages`` (default 4 x 4: 2 CTAs per SM), slots for the next power of two of
+    ``m`` tokens; K-splits only while the grid stays within one wave and every warp keeps at
+    least 2 k-tiles."""
     tiles = 2 if epilogue.activation == "swiglu" else 1
-    base = GemvConfig(warps=warps, tiles=tiles, stages=stages)
+    base = GemvConfig(warps=warps, tiles=tiles, stages=stages, tokens=1 << max(0, m - 1).bit_length())
     ctas = n_pad // (ng.ROWS * tiles)
     groups = warps // tiles
     splits = max(1, min(base.ctas_per_sm() * num_sms // ctas, (k // ng.BK) // (2 * groups)))
-    return GemvConfig(warps, tiles, stages, splits)
+    return dataclasses.replace(base, splits=splits)
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -120,6 +129,7 @@ def _build_kernel_class():
             self.groups = config.warps // config.tiles  # warps per tile (k runs)
             self.rows = ng.ROWS * config.tiles  # weight rows per CTA
             self.threads = 32 * config.warps
+            self.slot = config.slot_bytes()
 
         @cute.jit
         def __call__(self, x_ptr: Int64, tiles_ptr: Int64, gs_ptr: Int64, out_ptr: Int64, bias_ptr: Int64,
@@ -141,13 +151,14 @@ def _build_kernel_class():
 
             @cute.struct
             class SharedStorage:
-                ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * SLOT_BYTES], 128]
+                ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
                 fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M], 16]
                 flag: cute.struct.MemRange[Int32, 4]
 
             self.shared_storage = SharedStorage
             self.kernel(x_ptr, tiles_ptr, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
                 grid=(n_pad // self.rows, self.cfg.splits, 1), block=[self.threads, 1, 1], stream=stream,
+                use_pdl=self.cfg.pdl,
                 # registers for as many CTAs as the shared memory holds; all of it as shared memory
                 min_blocks_per_mp=self.cfg.ctas_per_sm(), preferred_smem_carveout=100)
 
@@ -160,6 +171,8 @@ def _build_kernel_class():
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tidx % 32
             bx, bz, _ = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
 
@@ -171,7 +184,7 @@ def _build_kernel_class():
             count = lo + (grp + 1) * span // self.groups - my_lo
             rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
 
-            slot_words = SLOT_BYTES // 4
+            slot_words = self.slot // 4
             ring_words = cfg.stages * slot_words  # per warp
             words = cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32)
             # per (slot, warp), as 32-bit words: codes (word, lane, strip, half), scales (word, quad,
@@ -181,8 +194,8 @@ def _build_kernel_class():
             sScale = cute.make_tensor(words + ng.CODE_BYTES // 4, cute.make_layout(
                 (4, 8, 4, cfg.stages, cfg.warps), stride=(1, 4, 32, slot_words, ring_words)))
             sX = cute.make_tensor(words + ng.TILE_BYTES // 4, cute.make_layout(
-                (MAX_M, X_ROW // 4, cfg.stages, cfg.warps), stride=(X_ROW // 4, 1, slot_words, ring_words)))
-            ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * SLOT_BYTES)
+                (cfg.tokens, X_ROW // 4, cfg.stages, cfg.warps), stride=(X_ROW // 4, 1, slot_words, ring_words)))
+            ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
             w_src = tiles_ptr + Int64(rb * k_tiles) * ng.TILE_BYTES
 
             acc = cute.make_rmem_tensor((4, 4), Float32)  # (C register, strip)
@@ -192,9 +205,17 @@ def _build_kernel_class():
             rx = cute.make_rmem_tensor((2, 8), Uint32)  # (b0 | b1, k16 block)
             g, c = lane // 4, lane % 4
 
-            for i in cutlass.range_constexpr(cfg.stages - 1):  # prologue: fill the ring
+            # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
+            if cutlass.const_expr(cfg.pdl):
+                for i in cutlass.range_constexpr(cfg.stages - 1):
+                    if i < count:
+                        self.issue_weights(ring_addr, w_src, my_lo + i, i, lane)
+                cute.arch.griddepcontrol_wait()
+            for i in cutlass.range_constexpr(cfg.stages - 1):
                 if i < count:
-                    self.issue(ring_addr, w_src, x_ptr, my_lo + i, i, lane, m, k)
+                    if cutlass.const_expr(not cfg.pdl):
+                        self.issue_weights(ring_addr, w_src, my_lo + i, i, lane)
+                    self.issue_x(ring_addr, x_ptr, my_lo + i, i, lane, m, k)
                 cute.arch.cp_async_commit_group()
             for i in cutlass.range(count, unroll=1):
                 cute.arch.cp_async_wait_group(cfg.stages - 2)
@@ -204,13 +225,17 @@ def _build_kernel_class():
                     for h in cutlass.range_constexpr(2):
                         cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
                     cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
-                for b in cutlass.range_constexpr(8):
-                    rx[0, b] = sX[g, 8 * b + c, slot, warp]
-                    rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
+                if cutlass.const_expr(cfg.tokens < MAX_M):
+                    rx.fill(0)  # tokens past the slot's rows: zero B columns
+                if g < cfg.tokens:
+                    for b in cutlass.range_constexpr(8):
+                        rx[0, b] = sX[g, 8 * b + c, slot, warp]
+                        rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
                 # refill the slot read in the previous iteration (its registers are consumed)
                 nxt = i + cfg.stages - 1
                 if nxt < count:
-                    self.issue(ring_addr, w_src, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
+                    self.issue_weights(ring_addr, w_src, my_lo + nxt, nxt % cfg.stages, lane)
+                    self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
                 cute.arch.cp_async_commit_group()
                 for b in cutlass.range_constexpr(8):
                     for s in cutlass.range_constexpr(4):
@@ -231,22 +256,28 @@ def _build_kernel_class():
                 self.store(storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows)
 
         @cute.jit
-        def issue(self, ring_addr, w_src, x_ptr, kt, slot, lane, m, k):
-            """Copies of k-tile ``kt`` (weight tile, then the activations' 128 columns, zero rows
-            from token ``m``) into ring slot ``slot``, 16 bytes per lane and copy."""
-            dst = ring_addr + slot * SLOT_BYTES
+        def issue_weights(self, ring_addr, w_src, kt, slot, lane):
+            """Copies of weight tile ``kt`` into ring slot ``slot``, 16 bytes per lane and copy."""
+            dst = ring_addr + slot * self.slot
             src = w_src + Int64(kt) * ng.TILE_BYTES
             for q in cutlass.range_constexpr(ng.TILE_BYTES // 512):
                 cp_async_16(dst + (32 * q + lane) * 16, src + (32 * q + lane) * 16, 16)
-            for q in cutlass.range_constexpr(MAX_M * 16 // 32):
+
+        @cute.jit
+        def issue_x(self, ring_addr, x_ptr, kt, slot, lane, m, k):
+            """Copies of the activations' 128 columns of k-tile ``kt`` into ring slot ``slot`` (rows
+            from token ``m`` zero-filled)."""
+            dst = ring_addr + slot * self.slot + ng.TILE_BYTES
+            for q in cutlass.range_constexpr(-(-self.cfg.tokens * 16 // 32)):
                 chunk = 32 * q + lane
                 tok = chunk // 16
-                nbytes = Int32(0)
-                x_src = x_ptr
-                if tok < m:
-                    nbytes = Int32(16)
-                    x_src = x_ptr + (Int64(tok) * k + kt * ng.BK) * 2 + (chunk % 16) * 16
-                cp_async_16(dst + ng.TILE_BYTES + tok * X_ROW + (chunk % 16) * 16, x_src, nbytes)
+                if chunk < self.cfg.tokens * 16:
+                    nbytes = Int32(0)
+                    x_src = x_ptr
+                    if tok < m:
+                        nbytes = Int32(16)
+                        x_src = x_ptr + (Int64(tok) * k + kt * ng.BK) * 2 + (chunk % 16) * 16
+                    cp_async_16(dst + tok * X_ROW + (chunk % 16) * 16, x_src, nbytes)
 
         @cute.jit
         def reduce(self, storage, tidx, bx, bz, ws_ptr, cnt_ptr):
@@ -257,7 +288,7 @@ def _build_kernel_class():
             fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
             flag = storage.flag.get_tensor(cute.make_layout(4))
             ring_f = cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32)
-            warp_floats = cfg.stages * SLOT_BYTES // 4
+            warp_floats = cfg.stages * self.slot // 4
             per_thread = self.rows * MAX_M // self.threads
             vals = cute.make_rmem_tensor((per_thread,), Float32)
             for e in cutlass.range_constexpr(per_thread):
@@ -376,9 +407,11 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     m, k = x.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the GEMV takes 1..{MAX_M} tokens, got {m}")
+    if config is not None and m > config.tokens:
+        raise ValueError(f"{config} serves at most {config.tokens} tokens, got {m}")
     n_pad = w.row_exp.shape[0]
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    config = config or pick_gemv_config(n_pad, k, epilogue, num_sms)
+    config = config or pick_gemv_config(m, n_pad, k, epilogue, num_sms)
     config.check(epilogue)
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     ws = counters = None
