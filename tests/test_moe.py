@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_other_moe_families_are_linearized_and_fully_quantized(arch):
     report = quantize_model(model.float(), "nvfp4-w4a16")
     moe_layers = range(1, LAYERS) if arch == "deepseek_v3" else range(LAYERS)
     assert {n for layer in moe_layers for e in range(E) for n in expert_names(layer, e)} <= {r.name for r in report.quantized}
-    assert {r.name for r in report.skipped} == {"lm_head"} | (
+    assert {r.name for r in report.skipped} == {"lm_head"} | {f"model.layers.{layer}.mlp.gate" for layer in moe_layers} | (
         {f"model.layers.{layer}.mlp.shared_expert_gate" for layer in moe_layers} if arch == "qwen2_moe" else set())
 
 
@@ -306,6 +307,11 @@ def test_checkpoint_uses_vllm_expert_names_and_reloads_bit_exactly(arch, export,
     if arch == "gpt_oss":
         expected |= {f"model.layers.{layer}.mlp.experts.{e}.{p}.bias" for layer in range(LAYERS) for e in range(E) for p in PROJ}
     assert {k for k in keys if ".experts." in k} == expected
+    # Routers stay in high precision and are listed as such (llm-compressor lists "...mlp.gate").
+    router = {"qwen3_moe": "mlp.gate", "mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}[arch]
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {n for n in ignore if n != "lm_head"} == {f"model.layers.{layer}.{router}" for layer in range(LAYERS)}
+    assert {f"model.layers.{layer}.{router}.weight" for layer in range(LAYERS)} <= keys
     # The other tensors keep the names save_pretrained gives the float model (the hub checkpoint's);
     # a quantized layer's tensors stand for its float ".weight".
     float_model(arch).save_pretrained(tmp_path / "float")
@@ -358,7 +364,8 @@ def test_cli_quantizes_a_tiny_moe_end_to_end(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "bf16"), "--out", str(tmp_path / "q"), "--format", "nvfp4",
                                    "--samples", "4", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
-    assert f"{len(ALL_EXPERT_LINEARS) + 4 * LAYERS} layers quantized, 1 skipped" in res.output  # + q/k/v/o; lm_head skipped
+    # experts + q/k/v/o quantized; lm_head and the routers skipped
+    assert f"{len(ALL_EXPERT_LINEARS) + 4 * LAYERS} layers quantized, {1 + LAYERS} skipped" in res.output
     assert {k for k in _keys(tmp_path / "q") if k.endswith(".weight_packed") and ".experts." in k} == {
         f"model.layers.{layer}.block_sparse_moe.experts.{e}.{leaf}.weight_packed"
         for layer in range(LAYERS) for e in range(E) for leaf in ("w1", "w2", "w3")}

@@ -24,7 +24,7 @@ from quantkit.export.layout import Scheme, TensorSpec, export_layer, import_laye
 from quantkit.export.names import CheckpointNames
 from quantkit.formats import QuantizedWeight
 from quantkit.nn import QuantLinear
-from quantkit.nn.experts import linearize_experts
+from quantkit.nn.experts import linearize_experts, router_names
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -45,7 +45,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
     the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. Every
     :class:`~quantkit.nn.QuantLinear` must share one format; the model's other ``nn.Linear`` layers
-    are listed as ignored. Tensors take the names of the model's hub checkpoint (what
+    and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint (what
     ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts are
     written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE loaders
     read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
@@ -65,7 +65,8 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     fmt = formats[0]
     specs = flavour.tensor_specs(fmt)
     names = CheckpointNames(model)
-    ignore = [names.module(name) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
+    ignore = [names.module(name) for name in high_precision]
     tensors = _tensors_to_write(model, layers, specs, names)
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]
@@ -200,7 +201,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
 
     Reads both export flavours of :func:`save` and, where the format matches a quantkit format,
     checkpoints written by llm-compressor or ModelOpt. The model is built from config.json with
-    empty weights, its quantized Linear layers (per the quantization config and its ignore list)
+    empty weights (MoE experts split into per-expert Linears), its quantized Linear layers (per the quantization config and its ignore list)
     are swapped for QuantLinears, every tensor is loaded with its on-disk convention undone,
     weights are tied as the config says, and the model is returned on ``device`` in eval mode;
     non-quantized floating tensors take ``dtype``. Raises :class:`CheckpointError` naming the file

@@ -95,17 +95,17 @@ def unsupported_reason(module: nn.Module) -> str | None:
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """True for a module holding 3-D expert weights (``gate_up_proj`` or ``down_proj`` with ``dim == 3``)."""
-    return any(getattr(p, "dim", lambda: 0)() == 3 for n, p in module.named_parameters(recurse=False)
-               if n in ("gate_up_proj", "down_proj", "up_proj"))
+    """True for a module holding 3-D expert weights (a ``gate_up_proj``, ``up_proj`` or ``down_proj``
+    parameter with ``dim == 3``)."""
+    return any(p.dim() == 3 for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj", "down_proj"))
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
     """An ``nn.Linear`` holding ``weight [N, K]`` (and ``bias [N]``) as they are: views stay views."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.weight = nn.Parameter(weight, requires_grad=requires_grad)
     if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
+        linear.bias = nn.Parameter(bias, requires_grad=requires_grad)
     return linear
 
 
@@ -127,12 +127,14 @@ def to_linear_experts(module: nn.Module) -> LinearExperts:
     def weight(fused: torch.Tensor) -> torch.Tensor:  # [N, K] of one expert, transposed storage undone
         return fused.T if module.is_transposed else fused
 
+    grad = module.gate_up_proj.requires_grad
     experts = []
     for e in range(gate_up.shape[0]):
         gate_w, up_w = (weight(gate_up[e])[h].contiguous() for h in halves)  # contiguous views stay views
         gate_b, up_b = (None, None) if gate_up_bias is None else (gate_up_bias[e, h].contiguous() for h in halves)
-        experts.append(ExpertMLP(_linear(gate_w, gate_b), _linear(up_w, up_b),
-                                 _linear(weight(down[e]).contiguous(), None if down_bias is None else down_bias[e])))
+        down_b = None if down_bias is None else down_bias[e]
+        experts.append(ExpertMLP(_linear(gate_w, gate_b, grad), _linear(up_w, up_b, grad),
+                                 _linear(weight(down[e]).contiguous(), down_b, grad)))
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
         module._parameters.pop(name, None)
     return LinearExperts(experts, module._apply_gate, interleaved=interleaved, transposed=module.is_transposed)
@@ -157,6 +159,20 @@ def linearize_experts(model: nn.Module) -> dict[str, str]:
 def expert_modules(model: nn.Module) -> Iterator[LinearExperts]:
     """The :class:`LinearExperts` modules of ``model``."""
     return (m for m in model.modules() if isinstance(m, LinearExperts))
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """Names of the routers of ``model``'s :class:`LinearExperts`: sibling modules holding a 2-D
+    ``weight [E, H]`` (transformers 5 routers are such modules, not ``nn.Linear``)."""
+    names = []
+    for parent_name, parent in model.named_modules():
+        experts = [m for m in parent.children() if isinstance(m, LinearExperts)]
+        for name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            if (experts and not isinstance(child, (LinearExperts, nn.Linear)) and isinstance(weight, torch.Tensor)
+                    and weight.dim() == 2 and weight.shape[0] == len(experts[0])):
+                names.append(f"{parent_name}.{name}" if parent_name else name)
+    return names
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from quantkit.formats import QuantizedWeight, get_format
-from quantkit.nn.experts import is_fused_experts, linearize_experts, unsupported_reason
+from quantkit.nn.experts import is_fused_experts, linearize_experts, router_names, unsupported_reason
 from quantkit.nn.linear import QuantLinear
 
 # Routers stay in high precision: vLLM builds MoE routers and Qwen2-MoE's shared-expert gate
@@ -91,6 +91,8 @@ def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[
             skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {fmt.k_multiple}"))
         else:
             chosen[name] = module
+    for name in router_names(model):
+        skipped.append(LayerResult(name, tuple(model.get_submodule(name).weight.shape), "MoE router: kept in high precision"))
     for name, module in model.named_modules():
         if is_fused_experts(module):  # fused MoE experts [E, N, K] linearize_experts could not split
             reason = f"fused expert weights left unquantized: {unsupported_reason(module) or 'not linearized'}"
