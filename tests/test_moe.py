@@ -373,3 +373,24 @@ def test_cli_quantizes_a_tiny_moe_end_to_end(tmp_path, monkeypatch):
     assert all(isinstance(getattr(ex, p), QuantLinear) for layer in model.model.layers for ex in layer.mlp.experts for p in PROJ)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, len(tok), (1, 8))).logits.float()).all()
+
+
+def test_experts_left_in_high_precision_round_trip_under_hub_names(tmp_path):
+    """Experts excluded by an ignore pattern are written in float under the hub names (Mixtral
+    ``w1``/``w3``/``w2``), listed as ignored, and read back into the per-expert Linears."""
+    model = float_model("mixtral")
+    report = quantize_model(model, "nvfp4-w4a16", ignore=("lm_head", "*.experts.1.*"))
+    assert {r.name for r in report.skipped if ".experts." in r.name} == {
+        n for layer in range(LAYERS) for n in expert_names(layer, 1)}
+    save(model, tmp_path / "q")
+    keys = _keys(tmp_path / "q")
+    hub = {f"model.layers.{layer}.block_sparse_moe.experts.1.{leaf}.weight" for layer in range(LAYERS) for leaf in ("w1", "w2", "w3")}
+    assert hub <= keys
+    ignore = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {k.removesuffix(".weight") for k in hub} <= set(ignore)
+    loaded = load(tmp_path / "q", dtype=torch.float32)
+    assert isinstance(loaded.model.layers[0].mlp.experts[1].up_proj, torch.nn.Linear)
+    assert torch.equal(loaded.model.layers[0].mlp.experts[1].up_proj.weight, model.model.layers[0].mlp.experts[1].up_proj.weight)
+    ids = tokens(2, seed=3)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
