@@ -38,11 +38,12 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention"]),
 }
 # Where the experts of layer l live on the hub (what save_pretrained writes) and their leaf names
-# (gate, up, down): vLLM's Qwen3-MoE and gpt-oss loaders call
-# FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
-# ckpt_up_proj_name="up_proj"), Mixtral's with "w1", "w2", "w3" under block_sparse_moe
-# (vllm/model_executor/models/{qwen3_moe,mixtral}.py); the mapping sends "experts.{e}.{leaf}." to
-# the FusedMoE parameters "experts.w13_*" / "experts.w2_*" (vllm/model_executor/layers/fused_moe/layer.py).
+# (gate, up, down): vLLM's Qwen3-MoE loader calls FusedMoE.make_expert_params_mapping(
+# ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj", ckpt_up_proj_name="up_proj"),
+# Mixtral's uses "w1", "w2", "w3" under block_sparse_moe (vllm/model_executor/models/{qwen3_moe,mixtral}.py);
+# the mapping sends "experts.{e}.{leaf}." to the FusedMoE parameters "experts.w13_*" / "experts.w2_*"
+# (vllm/model_executor/layers/fused_moe/layer.py). gpt-oss: fused on the hub; per-expert names as
+# llm-compressor and GptOssForCausalLM.get_expert_mapping spell them.
 HUB_EXPERTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
