@@ -162,11 +162,13 @@ def run_check(fh, gemv_only: bool = False) -> bool:
     for i, (m, n, k, epi, cfg) in enumerate(gemv_cases):
         timer = watchdog(240, f"check gemv m={m} {n}x{k} {epi} {cfg}")
         try:
-            cfg = cfg or gv.pick_gemv_config(m, -(-n // 128) * 128, k, epi)
+            # cfg None: the default W4A16 route (use_gemv, the rule's config, tvm-ffi where installed)
             unwritten, err, floor = check_case("w4a16", m, n, k, epi, seed=200 + i, config=cfg)
             good = unwritten == 0 and err < max(4e-3, 2 * floor)
-            log(f"CHECK {'PASS' if good else 'FAIL'} gemv M={m} N={n} K={k} {epi} {cfg}: rel_err={err:.2e} "
-                f"(bf16 floor {floor:.1e}) unwritten={unwritten}", fh)
+            shown = cfg or f"default route {gv.pick_gemv_config(m, -(-n // 128) * 128, k, epi)}"
+            log(f"CHECK {'PASS' if good else 'FAIL'} gemv M={m} N={n} K={k} {epi} {shown}: rel_err={err:.2e} "
+                f"(bf16 floor {floor:.1e}) unwritten={unwritten} tvm_ffi={gv.USE_TVM_FFI and gv.tvm_ffi_available()}",
+                fh)
             ok &= good
         except Exception:
             log(f"CHECK ERROR gemv M={m} N={n} K={k} {epi} {cfg}:\n{traceback.format_exc()}", fh)

@@ -302,8 +302,7 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
-        assert ("atom.global.acq_rel.add" in text) == (splits > 1)
-        assert ("griddepcontrol.wait" in text) == pdl  # split-K turnstile only when split
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0)  # PDL variant
     quant = ptx("act_quant")
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
@@ -314,6 +313,25 @@ GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, epilogue)
     (8, 1, 2, 3, 1, True, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
     (4, 2, 4, 2, 4, False, Epilogue(bias=True, activation="swiglu", residual=True)),
 ]
+
+
+def test_gemv_compiles_to_a_tvm_ffi_executor():
+    """The launch path the W4A16 op takes where apache-tvm-ffi is installed."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    script = textwrap.dedent("""
+        import os
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from quantkit.kernels.epilogue import Epilogue
+        from quantkit.kernels.sm90 import nvfp4_gemv as gv
+        fn = gv.compile_gemv(gv.pick_gemv_config(1, 4096, 4096, Epilogue()), Epilogue(), tvm_ffi=True, arch="sm_90a")
+        print(type(fn).__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TVMFFI" in proc.stdout
 
 
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
@@ -351,24 +369,32 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         assert ("griddepcontrol.wait" in text) == pdl
 
 
-def test_gemv_config_rule_fills_one_wave_and_fits_shared_memory():
+def test_gemv_config_rule():
+    """The fitted rule: 8 warps with PDL; 3 stages (1 CTA/SM) when the grid fits one wave, else 2
+    (2 CTAs/SM); a 2-way K-split only for narrow, deep weights; slots for the next power of 2 of M."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
-    for n_pad, k in ((4096, 4096), (6144, 4096), (57344, 8192), (8192, 28672)):
-        for epi in (Epilogue(), Epilogue(activation="swiglu")):
-            cfg = gv.pick_gemv_config(1, n_pad, k, epi)
-            cfg.check(epi)
-            ctas = n_pad // (64 * cfg.tiles)
-            assert cfg.splits == 1 or ctas * cfg.splits <= cfg.ctas_per_sm() * 132  # split only within one wave
-            assert (k // 128) // cfg.splits // (cfg.warps // cfg.tiles) >= 2  # >= 2 k-tiles per warp
-    assert gv.pick_gemv_config(1, 4096, 4096, Epilogue()).splits == 4  # 64 CTAs x 4 = 256 <= 2 x 132
-    assert gv.pick_gemv_config(1, 57344, 8192, Epilogue()).splits == 1
-    assert [gv.pick_gemv_config(m, 4096, 4096, Epilogue()).tokens for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    for n_pad, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192),
+                     (8192, 28672)):
+        for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
+            for m in (1, 3, 8):
+                cfg = gv.pick_gemv_config(m, n_pad, k, epi)
+                cfg.check(epi)
+                ctas = n_pad // (64 * cfg.tiles) * cfg.splits
+                assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
+                assert ctas <= cfg.ctas_per_sm() * 132 or cfg.stages == 2  # deeper ring only within one wave
+    rule = {(n, k): (c.stages, c.splits) for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (57344, 8192))
+            for c in [gv.pick_gemv_config(1, n, k, Epilogue())]}
+    assert rule == {(4096, 4096): (3, 1), (4096, 14336): (3, 2), (8192, 8192): (3, 1), (57344, 8192): (2, 1)}
     assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
     with pytest.raises(ValueError):
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
     with pytest.raises(ValueError):
         gv.GemvConfig(8, 1, 5).check(Epilogue())  # 8 warps x 5 slots exceed shared memory
+
+
+def test_w4a16_routes_decode_to_the_gemv():
+    assert ng.use_gemv(1) and ng.use_gemv(8) and not ng.use_gemv(9)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -462,11 +488,11 @@ def test_gpu_config_variants(mode, config):
                                         (None, Epilogue(activation="swiglu", bias=True, residual=True)),
                                         ("split3", Epilogue(activation="gelu_tanh"))])
 def test_gpu_gemv_matches_float64_reference(m, config, epi):
-    """The decode GEMV (explicit configs: the rule's, and an uneven 3-way K-split of 8 warps)."""
+    """The decode GEMV: through the default W4A16 route (M <= 8), and an uneven 3-way K-split."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
-    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else gv.pick_gemv_config(m, n, k, epi)
+    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else None  # None: the default route (use_gemv)
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

@@ -21,7 +21,8 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   scale, bias, activation incl. SwiGLU, residual) writes bf16.
 """
 
-import dataclasses
+import functools
+import importlib.util
 import threading
 from dataclasses import dataclass
 
@@ -73,17 +74,18 @@ class GemvConfig:
         return max(1, _SMEM // self.smem_bytes())
 
 
-def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132, warps: int = 4,
-                     stages: int = 4) -> GemvConfig:
-    """``warps`` x ``stages`` (default 4 x 4: 2 CTAs per SM), slots for the next power of two of
-    ``m`` tokens; K-splits only while the grid stays within one wave and every warp keeps at
-    least 2 k-tiles."""
+def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132) -> GemvConfig:
+    """The decode GEMV's config for ``m`` tokens (rules fitted to the H200 sweep in
+    ``benchmarks/notes/nvfp4.md``): 8 warps, PDL, ring slots for the next power of two of ``m``
+    tokens; no K-split unless the weight has at most half a CTA per SM and each warp would run
+    >= 12 k-tiles (then 2); 3 stages (one CTA per SM) while the grid fits one wave, else 2 (two)."""
     tiles = 2 if epilogue.activation == "swiglu" else 1
-    base = GemvConfig(warps=warps, tiles=tiles, stages=stages, tokens=1 << max(0, m - 1).bit_length())
+    warps = 8
     ctas = n_pad // (ng.ROWS * tiles)
-    groups = warps // tiles
-    splits = max(1, min(base.ctas_per_sm() * num_sms // ctas, (k // ng.BK) // (2 * groups)))
-    return dataclasses.replace(base, splits=splits)
+    k_tiles_per_warp = (k // ng.BK) // (warps // tiles)
+    splits = 2 if (2 * ctas <= num_sms and k_tiles_per_warp >= 12) else 1
+    stages = 3 if ctas * splits <= num_sms else 2
+    return GemvConfig(warps, tiles, stages, splits, tokens=1 << max(0, m - 1).bit_length(), pdl=True)
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -380,40 +382,58 @@ def _kernel_class():
     return _KERNEL_CLASS
 
 
-def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = False, arch: str | None = None,
-                 options: str = ""):
+def tvm_ffi_available() -> bool:
+    """Whether apache-tvm-ffi is importable (CuTeDSL's ``--enable-tvm-ffi`` executors need it)."""
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = False, tvm_ffi: bool = False,
+                 arch: str | None = None, options: str = ""):
     """The compiled GEMV for one (config, epilogue, bias dtype), through :mod:`..cache`. The
     executor takes data pointers ``(x, tiles, tensor_scale, out, bias, residual, workspace,
-    counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and a ``cuda.CUstream``."""
+    counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and the stream: a ``cuda.CUstream``,
+    or with ``tvm_ffi`` (CuTeDSL's apache-tvm-ffi calling convention, a C++ argument path) the
+    stream handle as an int."""
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
     arch = pin_arch(arch)
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, bias_fp32)
-    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32)
+    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32, tvm_ffi)
     n_out = ng.ROW_PAD // (2 if epilogue.activation == "swiglu" else 1)
+    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
     return compile_kernel(key, kernel, *([0] * 8), 1, ng.ROW_PAD, n_out, ng.BK, make_fake_stream(), arch=arch,
                           options=options)
 
 
 # ---------------------------------------------------------------------------------------- host
+USE_TVM_FFI = True  # launch through tvm-ffi executors where apache-tvm-ffi is installed
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(tokens: int, n_pad: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
+          config: GemvConfig | None, tvm_ffi: bool):
+    """(config, executor) of one launch shape, cached: the per-call host path is a dict lookup."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    config = config or pick_gemv_config(tokens, n_pad, k, epilogue, num_sms)
+    config.check(epilogue)
+    return config, compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
+
+
 def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias, residual, config: GemvConfig | None,
                 out: torch.Tensor) -> torch.Tensor:
     """Run the GEMV on bf16 ``x [M <= 8, K]`` (contiguous, 16-byte aligned) into ``out``; the
     caller (:func:`.nvfp4_gemm.launch_gemm`) has checked shapes and epilogue operands."""
-    import cuda.bindings.driver as cuda
-
     m, k = x.shape
     if not 0 < m <= MAX_M:
         raise ValueError(f"the GEMV takes 1..{MAX_M} tokens, got {m}")
     if config is not None and m > config.tokens:
         raise ValueError(f"{config} serves at most {config.tokens} tokens, got {m}")
     n_pad = w.row_exp.shape[0]
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    config = config or pick_gemv_config(m, n_pad, k, epilogue, num_sms)
-    config.check(epilogue)
+    tvm_ffi = USE_TVM_FFI and tvm_ffi_available()
     bias_fp32 = bias is not None and bias.dtype == torch.float32
+    config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ws = counters = None
     if config.splits > 1:
         ctas = n_pad // (ng.ROWS * config.tiles)
@@ -421,9 +441,13 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
             raise ValueError(f"{ctas} split-K row blocks exceed the counter buffer ({ng.COUNTERS})")
         ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
         counters = ng.counter_buffer(x.device)
-    fn = compile_gemv(config, epilogue, bias_fp32=bias_fp32)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    fn(ptr(x), ptr(w.tiles), ptr(w.tensor_scale), ptr(out), ptr(bias), ptr(residual), ptr(ws), ptr(counters),
-       m, n_pad, out.shape[1], k, stream)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    if not tvm_ffi:
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(stream)
+    fn(x.data_ptr(), w.tiles.data_ptr(), w.tensor_scale.data_ptr(), out.data_ptr(),
+       0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+       0 if ws is None else ws.data_ptr(), 0 if counters is None else counters.data_ptr(), m, n_pad, out.shape[1], k,
+       stream)
     return out
