@@ -181,9 +181,10 @@ class Fp8BlockGemmSm90:
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
         out_tile = (self.cfg.tile_m, self.out_tile_n)
-        # bf16: 4 buffers of (tile_m x 32) columns; requant: the whole FP8 tile (tile_m x 128 bytes) in one.
-        self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)  # spans every consumer warpgroup's rows
-        self.epi_stage = 1 if self.requant else 4
+        # The whole output tile in smem: bf16 as (tile_m x 32)-column sub-tiles, FP8 (requant) as one
+        # (tile_m x 128-byte) tile; each sub-tile spans every consumer warpgroup's rows.
+        self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)
+        self.epi_stage = self.out_tile_n // self.epi_tile[1]
         self._make_smem_layouts()
 
         tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
@@ -376,7 +377,6 @@ class Fp8BlockGemmSm90:
         # Element ((c, h, j), 0, 0) of a 64-row WGMMA accumulator lies in row group h (rows r, r + 8).
         row_lo = tCcAcc[((0, 0, 0), 0, 0)][0]
         row_hi = tCcAcc[((0, 1, 0), 0, 0)][0]
-        col0 = tCcAcc[((0, 0, 0), 0, 0)][1]
         n_frag = cute.size(acc, mode=[0]) // 4
 
         thr_mma_out = tiled_mma_out.get_slice(ctid)
@@ -385,109 +385,121 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.swiglu):
             out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype)
 
-        # Output: registers -> smem -> gmem (TMA store). bf16 through stmatrix, one epi_tile at a time;
-        # FP8 (requant) by each thread's column pairs at their coordinates, the whole tile at once.
+        # Output: registers -> smem -> gmem by TMA, the whole tile per store group (bf16 through stmatrix
+        # in 32-column sub-tiles, FP8 by column pairs at their coordinates). A tile's epilogue runs once
+        # the next tile's first k-tiles are issued, so it overlaps their WGMMAs (the last tile's after the loop).
         store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
+        r2s = None
         if cutlass.const_expr(not self.requant):
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
-            tRS_sD = thr_r2s.partition_D(sD)
-            tRS_rOut = tiled_copy_r2s.retile(out)
-            rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-            tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
-            size_rD = cute.size(tRS_rD)
+            r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        m_total = mD.shape[0]
-        tiles_done = cutlass.Int32(0)  # real tiles stored so far: rotates the epilogue smem buffers
+        tiles_done = cutlass.Int32(0)
+        prev_tm = cutlass.Int32(0)  # the tile whose epilogue is pending
+        prev_tn = cutlass.Int32(0)
+        bufs = (tmp, tmp2)
+        unroll = OVERLAP_UNROLL if self.cfg.overlap else 1
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
             if self._real_tile(tn, n_tiles):
-                acc.fill(0.0)
-                n_block = (tn * self.cfg.tile_n + col0) // BLOCK
-                if cutlass.const_expr(not self.cfg.overlap):
-                    seg_blocks = self._segment_blocks(tn, mSB.shape[0])
-                    for kt in range(k_tiles):
-                        w_scales = [mSB[b, kt] for b in seg_blocks]
-                        ab_pipe.consumer_wait(state)
-                        tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, state.index, k_blocks)
-                        s_lo = [sSA[(row_lo, 0, state.index)] * w for w in w_scales]
-                        s_hi = [sSA[(row_hi, 0, state.index)] * w for w in w_scales]
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        ab_pipe.consumer_release(state)
-                        state.advance()
-                        self._promote(acc, tmp, s_lo, s_hi, n_frag)
-                else:
-                    # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs. Groups of
-                    # OVERLAP_UNROLL k-tiles end with wait_group(0): ptxas serializes WGMMA (C7514) when an
-                    # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
-                    read = state.clone()
-                    for kt0 in range(0, k_tiles, OVERLAP_UNROLL):
-                        s_lo = [None] * OVERLAP_UNROLL
-                        s_hi = [None] * OVERLAP_UNROLL
-                        for u in cutlass.range_constexpr(OVERLAP_UNROLL):
-                            w_scale = mSB[n_block, kt0 + u]
-                            ab_pipe.consumer_wait(read)
-                            tiled_mma = self._issue(tiled_mma, (tmp, tmp2)[u % 2], tCrA, tCrB, read.index, k_blocks)
-                            s_lo[u] = [sSA[(row_lo, 0, read.index)] * w_scale]
-                            s_hi[u] = [sSA[(row_hi, 0, read.index)] * w_scale]
+                seg_blocks = self._segment_blocks(tn, mSB.shape[0])
+                read = state.clone()
+                s_lo = [None] * unroll
+                s_hi = [None] * unroll
+                # Head: issue the first k-tiles (one per temporary), run the previous tile's epilogue
+                # while they compute, then retire them; the first promotion initialises acc.
+                for u in cutlass.range_constexpr(min(2, unroll)):
+                    tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
+                        tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
+                    read.advance()
+                if tiles_done > 0:
+                    self._finish_tile(acc, prev_tm, prev_tn, *epi)
+                # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
+                # OVERLAP_UNROLL k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
+                # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
+                for u in cutlass.range_constexpr(1, unroll + 1):
+                    if cutlass.const_expr(2 <= u < unroll):
+                        tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
+                            tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
+                        read.advance()
+                    cute.nvgpu.warpgroup.wait_group(1 if u < unroll else 0)
+                    ab_pipe.consumer_release(state)
+                    state.advance()
+                    self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag, init=u == 1)
+                for kt0 in range(unroll, k_tiles, unroll):
+                    s_lo = [None] * unroll
+                    s_hi = [None] * unroll
+                    for u in cutlass.range_constexpr(unroll + 1):
+                        if cutlass.const_expr(u < unroll):
+                            tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
+                                tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks,
+                                row_lo, row_hi)
                             read.advance()
-                            if cutlass.const_expr(u > 0):
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                ab_pipe.consumer_release(state)
-                                state.advance()
-                                self._promote(acc, (tmp, tmp2)[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        ab_pipe.consumer_release(state)
-                        state.advance()
-                        self._promote(acc, (tmp, tmp2)[(OVERLAP_UNROLL - 1) % 2], s_lo[-1], s_hi[-1], n_frag)
-
-                m0 = tm * self.cfg.tile_m
-                self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
-
-                gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
-                )
-                if cutlass.const_expr(self.requant):
-                    # The previous tile's store must have read sD before anyone overwrites it.
-                    if warp_idx == 4:
-                        store_pipe.producer_acquire()
-                    self.epi_barrier.arrive_and_wait()
-                    self._store_fp8_smem(out, tCcOut, sD)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
-                    if warp_idx == 4:
-                        cute.copy(tma_d, bSG_sD[(None, 0)], bSG_gD[(None, 0)])
-                        store_pipe.producer_commit()
-                else:
-                    epi_tiles = cute.size(gD_epi, mode=[1])
-                    epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
-                    done_before = tiles_done * epi_tiles
-                    for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(size_rD):
-                            tRS_rD[v] = tRS_rOut[e * size_rD + v]
-                        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                        buf = (done_before + e) % self.epi_stage
-                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        self.epi_barrier.arrive_and_wait()
-                        if warp_idx == 4:
-                            cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        self.epi_barrier.arrive_and_wait()
+                        if cutlass.const_expr(u > 0):
+                            cute.nvgpu.warpgroup.wait_group(1 if u < unroll else 0)
+                            ab_pipe.consumer_release(state)
+                            state.advance()
+                            self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
+                prev_tm = tm
+                prev_tn = tn
                 tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
+        if tiles_done > 0:
+            self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _issue_k_tile(self, tiled_mma, tmp, tCrA, tCrB, k_blocks, ab_pipe, read, kt, sSA, mSB, seg_blocks, row_lo, row_hi):
+        """Wait for k-tile ``kt`` in stage ``read``, WGMMA it into ``tmp``; returns ``tiled_mma`` and
+        the promotion scales (x scale of rows r / r + 8 times each segment's weight scale)."""
+        w_scales = [mSB[b, kt] for b in seg_blocks]
+        ab_pipe.consumer_wait(read)
+        tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, read.index, k_blocks)
+        s_lo = [sSA[(row_lo, 0, read.index)] * w for w in w_scales]
+        s_hi = [sSA[(row_hi, 0, read.index)] * w for w in w_scales]
+        return tiled_mma, s_lo, s_hi
+
+    @cute.jit
+    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
+                     store_pipe, r2s, warp_idx):
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
+        m0 = tm * self.cfg.tile_m
+        self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
+        gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
+        epi_tiles = cute.size(gD_epi, mode=[1])
+        epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
+        # The previous tile's store must have read sD before anyone overwrites it.
+        if warp_idx == 4:
+            store_pipe.producer_acquire()
+        self.epi_barrier.arrive_and_wait()
+        if cutlass.const_expr(self.requant):
+            self._store_fp8_smem(out, tCcOut, sD)
+        else:
+            tiled_copy_r2s, tRS_sD, tRS_rOut, rD_shape = r2s
+            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+            size_rD = cute.size(tRS_rD)
+            for e in cutlass.range_constexpr(epi_tiles):
+                for v in cutlass.range_constexpr(size_rD):
+                    tRS_rD[v] = tRS_rOut[e * size_rD + v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, e)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if warp_idx == 4:
+            for e in cutlass.range_constexpr(epi_tiles):
+                cute.copy(tma_d, bSG_sD[(None, e)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+            store_pipe.producer_commit()
 
     def _real_tile(self, tn, n_tiles):
         """False for the N-clusters past ``N`` that a raster group > 1 adds (whole clusters only, so
@@ -530,15 +542,18 @@ class Fp8BlockGemmSm90:
         return [first, cutlass.min(first + tn % 2, num_blocks - 1), second]
 
     @cute.jit
-    def _promote(self, acc, tmp, s_lo, s_hi, n_frag):
-        """``acc += tmp * scale`` with the scale of each element's row group (rows r, r + 8; lists
-        ``s_lo``, ``s_hi``) and 64-column segment (fragment block ``j`` covers columns ``8j .. 8j+7``;
-        one list entry serves the whole tile)."""
+    def _promote(self, acc, tmp, s_lo, s_hi, n_frag, init: cutlass.Constexpr[bool] = False):
+        """``acc += tmp * scale`` (``acc = tmp * scale`` if ``init``) with the scale of each element's
+        row group (rows r, r + 8; lists ``s_lo``, ``s_hi``) and 64-column segment (fragment block
+        ``j`` covers columns ``8j .. 8j+7``; one list entry serves the whole tile)."""
         for j in cutlass.range_constexpr(n_frag):
             seg = min(j // 8, len(s_lo) - 1)
             for c in cutlass.range_constexpr(2):
-                acc[((c, 0, j), 0, 0)] = acc[((c, 0, j), 0, 0)] + tmp[((c, 0, j), 0, 0)] * s_lo[seg]
-                acc[((c, 1, j), 0, 0)] = acc[((c, 1, j), 0, 0)] + tmp[((c, 1, j), 0, 0)] * s_hi[seg]
+                for h, s in ((0, s_lo[seg]), (1, s_hi[seg])):
+                    if cutlass.const_expr(init):
+                        acc[((c, h, j), 0, 0)] = tmp[((c, h, j), 0, 0)] * s
+                    else:
+                        acc[((c, h, j), 0, 0)] = acc[((c, h, j), 0, 0)] + tmp[((c, h, j), 0, 0)] * s
 
     @cute.jit
     def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
@@ -574,10 +589,15 @@ class Fp8BlockGemmSm90:
                         out[((c, h, j), 0, 0)] = g * cute.arch.rcp_approx(1.0 + cute.math.exp(-g)) * u
         if cutlass.const_expr(self.epi.residual):
             out_n0 = tn * self.out_tile_n
-            for i in cutlass.range_constexpr(cute.size(out)):
-                m = m0 + tCcOut[i][0]
-                if m < m_total:
-                    out[i] = out[i] + mRes[m, out_n0 + tCcOut[i][1]].to(cutlass.Float32)
+            res_pairs = cute.zipped_divide(mRes, (1, 2))  # a thread's columns (2p, 2p + 1) are adjacent
+            for j in cutlass.range_constexpr(cute.size(out, mode=[0]) // 4):
+                for h in cutlass.range_constexpr(2):
+                    coord = tCcOut[((0, h, j), 0, 0)]
+                    m = m0 + coord[0]
+                    if m < m_total:
+                        r = res_pairs[(None, (m, (out_n0 + coord[1]) // 2))].load().to(cutlass.Float32)
+                        for c in cutlass.range_constexpr(2):
+                            out[((c, h, j), 0, 0)] = out[((c, h, j), 0, 0)] + r[c]
         if cutlass.const_expr(self.requant):
             self._requant(out, tCcOut, n_frag, m0, tn, m_total, mDS)
 
@@ -616,21 +636,21 @@ _M_BUCKETS = (1, 16, 64, 128, 512, 1 << 31)
 _S, _W = TileConfig(64, 64), TileConfig(64, 128)  # small-M tiles
 _T, _L = TileConfig(128, 64), TileConfig(128, 128)  # large-M tiles
 _WC = TileConfig(64, 128, 1, 2)  # cluster of 2 along N (A multicast)
-_LC4 = TileConfig(128, 128, 1, 2, raster=4)  # A multicast, raster groups of 4 clusters (operands > L2)
-_N4 = TileConfig(128, 192, overlap=False, raster=4)  # 192-column tiles: N = 2112 is 11 of them
+_LC4, _LC8 = TileConfig(128, 128, 1, 2, raster=4), TileConfig(128, 128, 1, 2, raster=8)  # A multicast + raster groups
+_NB4 = TileConfig(128, 192, 2, 1, overlap=False, raster=4)  # 192-column tiles, B multicast (N = 2112 is 11 of them)
 _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
     (n, k): tuple(zip(_M_BUCKETS, cfgs))
     for (n, k), cfgs in {
-        (2112, 7168): (_S, _S, _S, _S, _T, _N4),
+        (2112, 7168): (_S, _S, _S, _S, _T, _NB4),
         (4096, 4096): (_W, _W, _S, _S, _L, _L),
-        (4096, 7168): (_W, _W, _S, _S, _L, _LC4),
+        (4096, 7168): (_W, _W, _S, _S, _L, _LC8),
         (4096, 14336): (_W, _W, _S, _S, _L, _LC4),
-        (6144, 4096): (_WC, _W, _S, _T, _L, _L),
+        (6144, 4096): (_WC, _W, _S, _T, _L, _NB4),
         (7168, 2048): (_WC, _WC, _S, _T, _L, _L),
         (7168, 16384): (_WC, _WC, TileConfig(64, 64, overlap=False), _T, _L, _LC4),
-        (8192, 8192): (_WC, _WC, _S, _T, _L, _LC4),
-        (24576, 1536): (_W, _W, _W, _T, _L, _L),
-        (28672, 4096): (_WC, _WC, _W, _L, _L, _L),
+        (8192, 8192): (_WC, _WC, _S, _T, _L, _LC8),
+        (24576, 1536): (_W, _W, _W, _T, _L, _NB4),
+        (28672, 4096): (_WC, _WC, _W, _L, _L, _NB4),
     }.items()
 }
 # For shapes not in the table: the tile with the least summed time over the tuned shapes per bucket.
