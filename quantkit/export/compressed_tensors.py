@@ -12,6 +12,7 @@ format         compression format         tensors
 nvfp4          nvfp4-pack-quantized       ``weight_packed`` u8 [N, K/2], ``weight_scale`` E4M3 [N, K/16],
                                           ``weight_global_scale`` = 1/s_g, ``input_global_scale`` = 1/input_scale
 nvfp4-w4a16    nvfp4-pack-quantized       as nvfp4, without ``input_global_scale``
+nvfp4-w4a8     nvfp4-pack-quantized       as nvfp4-w4a16 (config too), plus ``"quantkit_format": "nvfp4-w4a8"``
 mxfp4          mxfp4-pack-quantized       ``weight_packed`` u8 [N, K/2], ``weight_scale`` E8M0 (u8) [N, K/32]
 mxfp8          mxfp8-quantized            ``weight`` E4M3 [N, K], ``weight_scale`` E8M0 (u8) [N, K/32]
 fp8-block      float-quantized            ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [⌈N/128⌉, K/128]
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from quantkit.export.io import CheckpointError
-from quantkit.export.layout import FLOAT_SCALES, Scheme, TensorSpec
+from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, tag_format, tagged_format
 
 NAME = "compressed-tensors"
 VERSION = "0.20.1"  # the compressed-tensors release whose config layout this mirrors
@@ -70,6 +71,7 @@ SCHEMES: dict[str, tuple[str, str, dict, dict | None]] = {
     "fp8-dynamic": ("FP8_DYNAMIC", "float-quantized", _args(8, "channel"), _args(8, "token", dynamic=True)),
     "fp8": ("FP8", "float-quantized", _args(8, "tensor"), _args(8, "tensor", observer="static_minmax")),
 }
+SCHEMES.update({fmt: SCHEMES[stored] for fmt, stored in STORED_AS.items()})
 
 
 def _nvfp4_specs(static_input: bool) -> tuple[TensorSpec, ...]:
@@ -100,6 +102,7 @@ _SPECS: dict[str, tuple[TensorSpec, ...]] = {
     "fp8-dynamic": _fp8_specs(lambda n, k: (n, 1)),
     "fp8": _fp8_specs(lambda n, k: (1,), static_input=True),
 }
+_SPECS.update({fmt: _SPECS[stored] for fmt, stored in STORED_AS.items()})
 
 
 def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
@@ -108,14 +111,15 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
 
 
 def quantization_config(fmt: str, ignore: list[str]) -> dict:
-    """The ``quantization_config`` entry of config.json for ``fmt`` with the skipped Linear names ``ignore``."""
+    """The ``quantization_config`` entry of config.json for ``fmt`` with the skipped Linear names ``ignore``
+    (a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`, adds ``quantkit_format``)."""
     _, compression, weights, inputs = SCHEMES[fmt]
     group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
              "output_activations": None, "format": compression}
-    return {"config_groups": {"group_0": group}, "format": compression, "global_compression_ratio": None,
+    return tag_format({"config_groups": {"group_0": group}, "format": compression, "global_compression_ratio": None,
             "ignore": list(ignore), "kv_cache_scheme": None, "moe_sparsity_config": None,
             "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "sparsity_config": {}, "transform_config": {}, "version": VERSION}
+            "sparsity_config": {}, "transform_config": {}, "version": VERSION}, fmt)
 
 
 def sidecar_files(fmt: str, ignore: list[str]) -> dict[str, dict]:
@@ -135,8 +139,9 @@ def _signature(args: dict | None) -> tuple | None:
     return tuple(str(args.get(key, defaults.get(key))).lower() for key in _SIGNATURE_KEYS)
 
 
-_BY_SIGNATURE = {(_signature(w), _signature(a)): fmt for fmt, (_, _, w, a) in SCHEMES.items()}
-_BY_PRESET = {preset: fmt for fmt, (preset, *_rest) in SCHEMES.items()}
+_STORED = {fmt: scheme for fmt, scheme in SCHEMES.items() if fmt not in STORED_AS}
+_BY_SIGNATURE = {(_signature(w), _signature(a)): fmt for fmt, (_, _, w, a) in _STORED.items()}
+_BY_PRESET = {preset: fmt for fmt, (preset, *_rest) in _STORED.items()}
 _READABLE = {"float-quantized": "naive-quantized"}  # same tensors under another compression name
 
 
@@ -181,4 +186,4 @@ def read_config(qcfg: dict) -> Scheme:
         return (isinstance(module, nn.Linear) and any(_matches(name, module, t) for t in targets)
                 and not any(_matches(name, module, p) for p in ignore))
 
-    return Scheme(formats.pop(), tuple(ignore), selects)
+    return Scheme(tagged_format(qcfg, formats.pop()), tuple(ignore), selects)

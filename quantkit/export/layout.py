@@ -52,6 +52,22 @@ class TensorSpec:
 
 FLOAT_SCALES = (torch.bfloat16, torch.float16)  # FP8 scales other writers store in the model dtype
 
+# quantkit formats written as another format's checkpoint: the same tensors and quantization config
+# (what vLLM reads, and serves), plus a "quantkit_format" key so that quantkit.load gives the format back.
+STORED_AS = {"nvfp4-w4a8": "nvfp4-w4a16"}
+
+
+def tag_format(qcfg: dict, fmt: str) -> dict:
+    """``qcfg`` with ``"quantkit_format": fmt`` when ``fmt`` is stored as another format."""
+    return {**qcfg, "quantkit_format": fmt} if fmt in STORED_AS else qcfg
+
+
+def tagged_format(qcfg: dict, fmt: str) -> str:
+    """The quantkit format of a checkpoint whose config reads as ``fmt``: its ``quantkit_format``
+    when that format is stored as ``fmt``, else ``fmt``."""
+    tag = qcfg.get("quantkit_format")
+    return tag if STORED_AS.get(tag) == fmt else fmt
+
 
 def reciprocal(x: torch.Tensor) -> torch.Tensor:
     """FP32 ``r ≈ 1/x`` with ``1/r == x`` exactly whenever such an FP32 ``r`` exists.

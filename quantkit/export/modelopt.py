@@ -9,6 +9,7 @@ format        quant_algo                   tensors
 nvfp4         NVFP4                        ``weight`` u8 [N, K/2], ``weight_scale`` E4M3 [N, K/16],
                                            ``weight_scale_2`` FP32 = s_g, ``input_scale`` FP32
 nvfp4-w4a16   W4A16_NVFP4                  as nvfp4, without ``input_scale``
+nvfp4-w4a8    W4A16_NVFP4                  as nvfp4-w4a16, plus ``"quantkit_format": "nvfp4-w4a8"`` in config.json
 fp8           FP8                          ``weight`` E4M3 [N, K], ``weight_scale`` FP32, ``input_scale`` FP32
 fp8-dynamic   FP8_PER_CHANNEL_PER_TOKEN    ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [N]
 ============  ===========================  ============================================================
@@ -26,7 +27,7 @@ from torch import nn
 
 import quantkit
 from quantkit.export.io import CheckpointError
-from quantkit.export.layout import FLOAT_SCALES, Scheme, TensorSpec
+from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, tag_format, tagged_format
 
 NAME = "modelopt"
 SIDECAR = "hf_quant_config.json"
@@ -35,6 +36,7 @@ GROUP_SIZE = 16
 _E4M3 = torch.float8_e4m3fn
 ALGOS = {"nvfp4": "NVFP4", "nvfp4-w4a16": "W4A16_NVFP4", "fp8": "FP8", "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN"}
 _FORMATS = {algo: fmt for fmt, algo in ALGOS.items()}
+ALGOS.update({fmt: ALGOS[stored] for fmt, stored in STORED_AS.items() if stored in ALGOS})
 
 
 def _scalar(name: str, field: str) -> TensorSpec:
@@ -53,6 +55,7 @@ _SPECS: dict[str, tuple[TensorSpec, ...]] = {
     "fp8-dynamic": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.float32, lambda n, k: (n,),
                                             accept=FLOAT_SCALES)),
 }
+_SPECS.update({fmt: _SPECS[stored] for fmt, stored in STORED_AS.items() if stored in _SPECS})
 
 
 def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
@@ -72,14 +75,15 @@ def _hf_quant_config(fmt: str, ignore: list[str]) -> dict:
 
 def quantization_config(fmt: str, ignore: list[str]) -> dict:
     """config.json's ``quantization_config``: what ModelOpt's ``convert_hf_quant_config_format`` makes
-    of :data:`SIDECAR` (config groups for NVFP4 and FP8, ``ignore``, ``quant_algo``, ``producer``)."""
+    of :data:`SIDECAR` (config groups for NVFP4 and FP8, ``ignore``, ``quant_algo``, ``producer``;
+    ``quantkit_format`` for a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`)."""
     sidecar = _hf_quant_config(fmt, ignore)
     out = {"ignore": list(ignore), "quant_algo": ALGOS[fmt], "producer": sidecar["producer"], "quant_method": "modelopt"}
     if fmt in ("nvfp4", "fp8"):
         bits, extra = (4, {"group_size": GROUP_SIZE}) if fmt == "nvfp4" else (8, {})
         args = {"dynamic": False, "num_bits": bits, "type": "float", **extra}
         out["config_groups"] = {"group_0": {"input_activations": args, "weights": dict(args), "targets": ["Linear"]}}
-    return out
+    return tag_format(out, fmt)
 
 
 def sidecar_files(fmt: str, ignore: list[str]) -> dict[str, dict]:
@@ -104,4 +108,4 @@ def read_config(qcfg: dict) -> Scheme:
     def selects(name: str, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) and not any(name == p or fnmatchcase(name, p) for p in exclude)
 
-    return Scheme(_FORMATS[algo], tuple(exclude), selects)
+    return Scheme(tagged_format(qcfg, _FORMATS[algo]), tuple(exclude), selects)
