@@ -8,15 +8,17 @@ and FP8 E4M3 ``w[N', K]`` with FP32 scales ``w_scale[N'/128, K/128]`` (one per 1
 in FP32, then the :class:`~quantkit.kernels.epilogue.Epilogue` (bias, activation incl. interleaved
 SwiGLU, residual, requant to fp8-block), and stores bf16 ``[M, N]`` (or FP8 + FP32 group scales).
 
-Structure (one CTA per SM, persistent over output tiles):
+Structure (one CTA per SM, persistent over output tiles, visited in raster groups of
+``TileConfig.raster`` N-tiles so the operands a wave reads stay in L2):
 
 * warpgroup 0, warp 0 — producer: TMA loads of the ``x`` tile (``tile_m x 128``), the ``w`` tile
   (``tile_n x 128``) and the tile's ``tile_m`` activation scales into a ring of shared-memory stages
   (multicast across a cluster when the cluster shape asks for it);
 * warpgroups 1.. — consumers, each owning a ``64 x tile_n`` sub-tile: per 128-K block,
   WGMMA into a temporary FP32 accumulator, then *promotion* ``acc += tmp * x_scale[row] *
-  w_scale`` outside the tensor core; after the last K block the epilogue runs in registers and the
-  tile leaves through shared memory and a TMA store.
+  w_scale`` outside the tensor core (with two temporaries, one block's promotion overlaps the
+  next block's WGMMAs). A tile's epilogue runs in registers once the next tile's first K blocks
+  are issued, and the tile leaves through shared memory in one TMA store group.
 
 ``M`` is a runtime value (TMA zero-fills rows past ``M`` on load and clips them on store), so one
 compiled kernel serves every ``M``; ``N'`` and ``K`` must be multiples of 128.
