@@ -350,6 +350,41 @@ def run_gemv_tune(shapes, fh, deadline):
     return rows
 
 
+AB_CASES = [(57344, 8192, Epilogue()), (57344, 8192, Epilogue(activation="swiglu")),
+            (28672, 4096, Epilogue(activation="swiglu")), (8192, 8192, Epilogue(activation="swiglu"))]
+
+
+def run_gemv_ab(fh):
+    """The default W4A16 route (GEMV at M <= 8) against the WGMMA kernel and alternative GEMV
+    configs, incl. the fused SwiGLU gate_up shapes; 3 interleaved rounds (median of each round)."""
+    rows = []
+    for n, k, epi in AB_CASES:
+        qw = quantized(n, k, seed=n + k, swiglu=epi.activation == "swiglu")
+        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+        n_pad = preps[0].row_exp.shape[0]
+        tiles = 2 if epi.activation == "swiglu" else 1
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            tok = 1 << (m - 1).bit_length()
+            cands = {"default": None, "wgmma": ng.pick_config(m, n_pad, k, epi, False)}
+            for w, st, sp, pdl in ((8, 3, 1, False), (8, 2, 1, False), (4, 2, 1, False), (8, 3, 1, True)):
+                cfg = gv.GemvConfig(w if tiles == 1 else 8, tiles, st, sp, tok, pdl)
+                if cfg.smem_bytes() <= 227 * 1024:
+                    cands.setdefault(str(cfg), cfg)
+            times = {label: [] for label in cands}
+            for _ in range(3):
+                for label, cfg in cands.items():
+                    times[label].append(graph_median_us([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, epi, config=c)
+                                                         for p in preps], reps=9))
+            row = {"shape": f"{n}x{k}", "epilogue": epi.activation, "m": m,
+                   "default_config": str(gv.pick_gemv_config(m, n_pad, k, epi)), "us": times}
+            rows.append(row)
+            log("AB " + json.dumps(row), fh)
+        del preps
+        torch.cuda.empty_cache()
+    return rows
+
+
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
               ("70b", 57344, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
@@ -451,12 +486,17 @@ def main():
     ap.add_argument("--gemv-tune-budget", type=float, default=60)
     ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
+    ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.check_only:
         with open(out / "check.log", "w") as fh:
             sys.exit(0 if run_check(fh, args.check_gemv_only) else 1)
+    if args.gemv_ab:
+        with open(out / "ab.log", "w") as fh:
+            (out / "ab.json").write_text(json.dumps(run_gemv_ab(fh), indent=1))
+        return
     deadline = time.time() + args.budget
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
