@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,6 +34,10 @@ CANDIDATES = [
     fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
 TUNE_M = (1, 16, 64, 128, 512, 4096)
+# Same-run A/B of the deferred epilogue on the large-M configs of the dispatch table (--ab-defer).
+DEFER_AB = [c for cfg in (fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=4),
+                          fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4))
+            for c in (cfg, replace(cfg, defer_epilogue=False))]
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
 # overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
@@ -116,6 +121,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-rows", type=int, default=None, metavar="M",
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
+    parser.add_argument("--ab-defer", action="store_true",
+                        help="with --tune-rows: time DEFER_AB instead, and stop after those rows")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
@@ -144,18 +151,22 @@ def main() -> None:
             print(f"    ({n}, {k}): ({rows}),")
         print("}")
 
-    for n, k, m in SQUARE + DSV3 + LLAMA:
+    rows = SQUARE + DSV3 + LLAMA
+    if args.ab_defer:
+        rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
+    for n, k, m in rows:
         prob = Problem(m, n, k, gen)
         if args.tune_rows is not None and m >= args.tune_rows:
             times = {}
-            for cand in LARGE_CANDIDATES:
+            candidates = DEFER_AB if args.ab_defer else LARGE_CANDIDATES
+            for cand in candidates:
                 try:
                     prob.check(cand)
                     times[str(cand)] = prob.ours(cand)
                 except (AssertionError, RuntimeError) as err:  # report and keep tuning
                     print(f"  {cand} M={m} N={n} K={k}: {str(err).splitlines()[0][:160]}", flush=True)
                     times[str(cand)] = float("inf")
-            tuned[(n, k, m)] = min(LARGE_CANDIDATES, key=lambda c: times[str(c)])
+            tuned[(n, k, m)] = min(candidates, key=lambda c: times[str(c)])
             results["tune"][f"{n}x{k}@{m}"] = times
             print(f"tune N={n:6d} K={k:6d} M={m:5d}: " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
         cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
@@ -180,7 +191,7 @@ def main() -> None:
                   f" bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}, x{t_silu / t_bare:.3f}", flush=True)
         del prob
 
-    for m, k in [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
+    for m, k in [] if args.ab_defer else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):

@@ -27,6 +27,8 @@ EXTRA_CONFIGS = [
     fbg.TileConfig(128, 128, 2, 1, raster=4),
     fbg.TileConfig(128, 192, overlap=False, raster=4),
     fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
+    fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False),
+    fbg.TileConfig(128, 192, overlap=False, defer_epilogue=False),
 ]
 EPILOGUES = [
     Epilogue(),

@@ -63,6 +63,7 @@ class TileConfig:
     cluster_n: int = 1
     overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % 4 == 0)
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
+    defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -422,8 +423,9 @@ class Fp8BlockGemmSm90:
                     tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
                         tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
                     read.advance()
-                if tiles_done > 0:
-                    self._finish_tile(acc, prev_tm, prev_tn, *epi)
+                if cutlass.const_expr(self.cfg.defer_epilogue):
+                    if tiles_done > 0:
+                        self._finish_tile(acc, prev_tm, prev_tn, *epi)
                 # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
                 # OVERLAP_UNROLL k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
                 # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
@@ -450,13 +452,16 @@ class Fp8BlockGemmSm90:
                             ab_pipe.consumer_release(state)
                             state.advance()
                             self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
+                if cutlass.const_expr(not self.cfg.defer_epilogue):
+                    self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
                 prev_tn = tn
                 tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        if tiles_done > 0:
-            self._finish_tile(acc, prev_tm, prev_tn, *epi)
+        if cutlass.const_expr(self.cfg.defer_epilogue):
+            if tiles_done > 0:
+                self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
 
     @cute.jit
