@@ -93,6 +93,14 @@ def test_nvfp4_all_zero_tensor_is_finite_zero():
     assert torch.equal(qw.dequantize(), torch.zeros(4, 32))
 
 
+def test_nvfp4_w4a8_stores_the_nvfp4_w4a16_weight():
+    w = fresh((32, 128), 4)
+    a, b = get_format("nvfp4-w4a8").quantize_weight(w), get_format("nvfp4-w4a16").quantize_weight(w)
+    assert a.format == "nvfp4-w4a8" and torch.equal(a.data, b.data) and torch.equal(a.tensor_scale, b.tensor_scale)
+    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+    assert torch.equal(a.dequantize(), b.dequantize())
+
+
 # ---------------------------------------------------------------- FP8 and MX
 @pytest.mark.parametrize("block", [(0, 0), (1, 0), (128, 128), (1, 128)])
 def test_fp8_blocks_match_float64_reference(block):
