@@ -6,6 +6,9 @@ weights). Windows as in ``accuracy_gemma.py`` (``--windows`` x ``--seq-len`` tok
 but run ``--batch`` windows per forward: with 2 x 513 = 1026 tokens every Linear sees M >= 1024,
 so ``nvfp4-w4a8`` computes the W4A8 function in every layer (the prefill case, for any
 crossover up to M = 1024; forward hooks count the calls and the script asserts it).
+``--split`` adds two ablations of that W4A8 function (``formats.w4a8`` functions patched for the
+run): E4M3 weight re-rounding with exact activations, and FP8 per-token activations with exact
+NVFP4 weights.
 
     OMP_NUM_THREADS=1 python benchmarks/w4a8_accuracy.py --out w4a8_accuracy.json
 """
@@ -18,6 +21,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -55,6 +59,20 @@ def count_paths(model) -> tuple[dict[str, int], list]:
     return counts, handles
 
 
+def exact_weight(packed: torch.Tensor, scale: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """FP32 ``e2m1 · s_b · 2^-c_n`` without the E4M3 rounding (stand-in for ``w4a8.weight_to_fp8``)."""
+    from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
+
+    n = packed.shape[0]
+    vals = e2m1_decode(unpack_nibbles(packed)).reshape(n, -1, 16)
+    return (vals * torch.ldexp(scale.float(), -exponents.float()[:, None])[..., None]).reshape(n, -1)
+
+
+def exact_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, 1)``: no activation quantization (stand-in for ``w4a8.quantize_activation``)."""
+    return x.float(), torch.ones(x.shape[0], device=x.device)
+
+
 def main() -> None:
     from quantkit.calibrate.pipeline import quantize
     from quantkit.calibrate.recipe import Recipe
@@ -64,6 +82,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=2, help="windows per forward (M = batch x (seq_len + 1))")
+    p.add_argument("--split", action="store_true", help="also the weight-only and activation-only ablations")
     p.add_argument("--out", type=Path, default=Path("w4a8_accuracy.json"))
     args = p.parse_args()
 
@@ -92,6 +111,17 @@ def main() -> None:
     record("nvfp4-w4a16", models["nvfp4-w4a16"], args.batch)
     record("nvfp4-w4a8", models["nvfp4-w4a8"], args.batch)
     assert results["nvfp4-w4a8"]["calls"]["w4a16"] == 0 or args.batch * (args.seq_len + 1) < 1024
+    if args.split:
+        from quantkit.formats import w4a8
+        from quantkit.nn import QuantLinear
+
+        for key, name, fn in (("w4a8 weights only", "quantize_activation", exact_activation),
+                              ("w4a8 activations only", "weight_to_fp8", exact_weight)):
+            for m in models["nvfp4-w4a8"].modules():
+                if isinstance(m, QuantLinear):
+                    m.qweight.layouts.pop("w4a8", None)  # the cached E4M3 weight
+            with mock.patch.object(w4a8, name, fn):
+                record(key, models["nvfp4-w4a8"], args.batch)
     print("\n| model | tokens per forward | Linear calls W4A8 / W4A16 | WikiText-2 ppl |\n|---|---|---|---|")
     for key, row in results.items():
         if key != "setup":
