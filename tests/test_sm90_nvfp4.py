@@ -1,5 +1,5 @@
-"""sm90 NVFP4 W4A16 / W4A8 GEMMs: layout, decode and numerics on CPU; compile-only PTX checks;
-numerics against float64 on GPU (``-m gpu``).
+"""sm90 NVFP4 W4A16 / W4A8 GEMMs and the W4A16 decode GEMV: layout, decode and numerics on CPU;
+compile-only PTX checks; numerics against float64 on GPU (``-m gpu``).
 
 The CPU decode tests replay, bit for bit, the integer and bf16/f16 operations the kernels apply
 to each thread's registers (rotations, masks, scale-byte arithmetic, the lane-broadcast multiply)

@@ -6,7 +6,8 @@ WGMMA as the register-sourced A operand. The problem is computed transposed,
 (8..256), so a decode batch of one token still uses a legal (if mostly idle) MMA while the
 kernel streams the weight bytes.
 
-* **W4A16**: ``x`` bf16. Each E2M1 code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the
+* **W4A16**: ``x`` bf16 (decode batches of ``M <= 8`` run the GEMV of :mod:`.nvfp4_gemv` on the
+  same prepared weight instead: :func:`use_gemv`). Each E2M1 code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the
   code 0.5 is a bf16 subnormal), times the block scale re-encoded at load time as
   ``s_b · 2^119`` in bf16, one ``mul.bf16x2`` per pair: the product ``e2m1 · s_b · 2^-7`` is
   exact. ``acc · (s_g · 2^7)`` in the epilogue.

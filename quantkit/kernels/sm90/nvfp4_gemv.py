@@ -19,6 +19,13 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   the CTAs of one row block meet through the split-K turnstile of the GEMM (the last CTA to
   arrive sums the partials in split order: deterministic) before the fused epilogue (tensor
   scale, bias, activation incl. SwiGLU, residual) writes bf16.
+* With ``pdl`` the weight copies of the first ring slots start before ``griddepcontrol.wait``
+  (no kernel writes weights); activations, partials and outputs only after it.
+* Host: (config, executor) cached per launch shape; where apache-tvm-ffi is installed the
+  executor is CuTeDSL's tvm-ffi one (16 µs per eager launch on the H200 host vs 69 µs through
+  the default executor, ``benchmarks/notes/nvfp4.md``).
+
+:func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for ``M <= 8`` tokens (:func:`.nvfp4_gemm.use_gemv`).
 """
 
 import functools
