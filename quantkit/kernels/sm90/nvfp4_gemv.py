@@ -121,7 +121,8 @@ def _build_kernel_class():
         returns D (4 FP32)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32()] * 4),
-            [Uint32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+            [Uint32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)]
+            + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
             "{$10, $11, $12, $13};",
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
@@ -160,7 +161,8 @@ def _build_kernel_class():
 
             @cute.struct
             class SharedStorage:
-                ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
+                ring: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
                 fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M], 16]
                 flag: cute.struct.MemRange[Int32, 4]
 
@@ -348,7 +350,6 @@ def _build_kernel_class():
         def store(self, storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows):
             """alpha, bias, activation, residual on ``fin``; bf16 stores (consecutive threads:
             consecutive output columns)."""
-            cfg = self.cfg
             fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
             alpha = mGs[0] * 128.0  # the decode's 2^-7
             cols = SWIGLU_GROUP if self.swiglu else self.rows
