@@ -5,8 +5,8 @@ name               weights                                     activations
 =================  ==========================================  ==========================================
 ``nvfp4``          E2M1, E4M3 scale / 16, FP32 tensor scale    NVFP4, dynamic blocks, static tensor scale
 ``nvfp4-w4a16``    as nvfp4                                    bf16 (not quantized)
-``nvfp4-w4a8``     as nvfp4; on the fly: E4M3 per weight,          E4M3, FP32 scale / token, dynamic, when
-                   E4M3 block scale × row power of two             ``w4a8.use_w4a8(M, N')``; else bf16
+``nvfp4-w4a8``     as nvfp4 (GEMM: see below)                  E4M3, FP32 scale / token, dynamic,
+                                                               when ``use_w4a8(M, N')``; else bf16
 ``mxfp8``          E4M3, E8M0 scale / 32                       MXFP8, dynamic
 ``mxfp4``          E2M1, E8M0 scale / 32                       MXFP4, dynamic
 ``fp8-block``      E4M3, FP32 scale / 128×128                  E4M3, FP32 scale / 1×128, dynamic
@@ -14,8 +14,10 @@ name               weights                                     activations
 ``fp8``            E4M3, FP32 scale / tensor                   E4M3, FP32 scale / tensor, static
 =================  ==========================================  ==========================================
 
-``nvfp4-w4a8`` stores exactly the ``nvfp4-w4a16`` weights; its GEMM is defined by
-:func:`quantkit.formats.w4a8.format_accumulate` (W4A16 for decode-sized inputs, W4A8 for prefill).
+``nvfp4-w4a8`` stores exactly the ``nvfp4-w4a16`` weights; its GEMM is
+:func:`quantkit.formats.w4a8.format_accumulate`: W4A16 for decode-sized inputs, and for
+prefill-sized ones (``use_w4a8``) W4A8 — each weight rounded once to E4M3 under a per-row power
+of two, activations E4M3 per token (:mod:`quantkit.formats.w4a8`).
 """
 from __future__ import annotations
 
