@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.calibrate import pipeline
-from quantkit.calibrate.observers import InputObserver
 from quantkit.export import load, save
 from quantkit.formats import get_format
 from quantkit.nn import QuantLinear, quantize_model
@@ -152,19 +151,14 @@ def test_unsupported_experts_layout_is_listed_with_its_reason():
         assert "post-expert norm" in reasons[name] and reasons[name].startswith("fused expert weights left unquantized")
 
 
-class RecordingObserver(InputObserver):
-    """InputObserver that keeps every module's finished statistics in ``RecordingObserver.stats``."""
+class RecordingContext(pipeline.LayerContext):
+    """LayerContext that keeps every calibrated layer's statistics in ``RecordingContext.stats``."""
 
-    stats: dict[int, object] = {}
+    stats: dict[str, object] = {}
 
-    def __init__(self, module, **kwargs):
-        super().__init__(module, **kwargs)
-        self.module = module
-
-    def finish(self):
-        out = super().finish()
-        RecordingObserver.stats[id(self.module)] = out
-        return out
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        RecordingContext.stats.update(self.stats)
 
 
 def _never_route_last_expert(model: torch.nn.Module) -> None:
@@ -191,15 +185,17 @@ def test_never_routed_expert_is_calibrated_on_all_tokens(monkeypatch):
         h.remove()
     assert not (torch.cat(routed) == E - 1).any()  # expert 3 is never picked
 
-    RecordingObserver.stats = {}
-    monkeypatch.setattr(pipeline, "InputObserver", RecordingObserver)
-    linearize_experts(model)
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    RecordingContext.stats = {}
+    monkeypatch.setattr(pipeline, "LayerContext", RecordingContext)
     report = quantkit.quantize(model, quantkit.Recipe("nvfp4", ("gptq",)), ids, device="cpu", batch_size=2)
     assert {r.name for r in report.quantized} >= ALL_EXPERT_LINEARS
-    stats = {n: RecordingObserver.stats[id(m)] for n, m in modules.items() if id(m) in RecordingObserver.stats}
+    stats = RecordingContext.stats
     assert {n for n in stats if ".experts." in n} == ALL_EXPERT_LINEARS
     assert all(stats[n].tokens == ids.numel() for n in ALL_EXPERT_LINEARS)
+    # gate/up of all experts of a block see the same input: one observer, one Hessian per block
+    gate_up = [n for e in range(E) for n in expert_names(0, e)[:2]]
+    assert len({id(stats[n]) for n in gate_up}) == 1
+    assert len({id(stats[n]) for e in range(E) for n in expert_names(0, e)[2:]}) == E
 
     x = torch.cat(mlp_inputs).reshape(-1, H)  # float64, all tokens entering layer 0's MoE block
     torch.testing.assert_close(stats["model.layers.0.mlp.experts.3.gate_proj"].hessian.double(), x.T @ x / len(x),

@@ -10,7 +10,8 @@
 MoE blocks: fused experts are first split into per-expert Linears
 (:func:`quantkit.nn.experts.linearize_experts`), and while a layer is calibrated every expert runs
 on every calibration token (its observers see them all, even for an expert the router never
-picks), while the block output keeps the router's top-k combination.
+picks), while the block output keeps the router's top-k combination. The gate/up projections of
+all experts of a block then see one input, recorded once (one Hessian per block, not 2·E).
 
 Only one decoder layer and the hidden states are on the device at a time; hidden states go to
 the offload device too when they do not fit ``max_device_bytes`` beside a layer.
@@ -32,7 +33,7 @@ from quantkit.calibrate.distributed import rank_device, shard
 from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
-from quantkit.nn.experts import calibrating_all_experts, linearize_experts
+from quantkit.nn.experts import calibrating_all_experts, linearize_experts, shared_input_groups
 from quantkit.nn.swap import QuantizationReport, fused_groups, plan_layers, quantize_model, shared_weight_amax
 
 
@@ -62,6 +63,17 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     if not outer:
         raise CalibrationError("found no list of decoder layers (nn.ModuleList of blocks with Linear layers) in the model")
     return max(outer, key=lambda item: len(item[1]))
+
+
+def observed_inputs(layer: nn.Module, scope: str, names: list[str]) -> dict[str, str]:
+    """For each Linear ``names`` (full names; ``scope`` + name in ``layer``), the Linear whose input
+    observer records its input: itself, or the first of its group of MoE expert projections that
+    share one input while all experts run (:func:`quantkit.nn.experts.shared_input_groups`)."""
+    head = {}
+    for group in shared_input_groups(layer):
+        members = [scope + n for n in group if scope + n in names]
+        head.update({n: members[0] for n in members})
+    return {n: head.get(n, n) for n in names}
 
 
 def _nbytes(module: nn.Module) -> int:
@@ -170,9 +182,11 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                     for h, (_, kws) in zip(hidden, records)]
 
         with calibrating_all_experts(layer):
-            observers = {n: InputObserver(m, hessian=needs_hessian) for n, m in linears.items()}
+            observed = observed_inputs(layer, scope, list(linears))
+            observers = {h: InputObserver(linears[h], hessian=needs_hessian) for h in dict.fromkeys(observed.values())}
             float_out = run_block()
-            ctx = LayerContext(fmt, layer, linears, {n: o.finish() for n, o in observers.items()},
+            stats = {h: o.finish() for h, o in observers.items()}
+            ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block)
             for algo in algos:
                 algo.apply(ctx)

@@ -175,6 +175,14 @@ def router_names(model: nn.Module) -> list[str]:
     return names
 
 
+def shared_input_groups(model: nn.Module) -> list[list[str]]:
+    """Per :class:`LinearExperts` of ``model``, the names of all its experts' ``gate_proj`` and
+    ``up_proj``: under :func:`calibrating_all_experts` they all receive the same input tensor, so
+    one set of input statistics serves them all."""
+    return [[f"{name}.{e}.{p}" for e in range(len(m)) for p in ("gate_proj", "up_proj")]
+            for name, m in model.named_modules() if isinstance(m, LinearExperts)]
+
+
 @contextmanager
 def calibrating_all_experts(model: nn.Module) -> Iterator[None]:
     """Within the block, every :class:`LinearExperts` of ``model`` runs all experts on all tokens."""
