@@ -251,11 +251,6 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
         ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"))
 
 
-def test_w4a8_crossover_rule():
-    assert not ng.use_w4a8(64, 57344) and not ng.use_w4a8(256, 4096)
-    assert ng.use_w4a8(256, 8192) and ng.use_w4a8(1024, 4096)
-
-
 # ----------------------------------------------------------------------------- compile-only
 COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue): every token tile and warpgroup count, both modes
     ("w4a16", 8, 1, 8, Epilogue()),

@@ -779,12 +779,6 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
 
 
 # ---------------------------------------------------------------------------------------- host
-def use_w4a8(m: int, n: int) -> bool:
-    """Whether W4A8 (incl. its activation quantization) beats W4A16 for ``M = m`` tokens and
-    ``N' = n`` weight rows: the crossover measured on H200 (``benchmarks/notes/nvfp4.md``) is
-    M = 256 for N' >= 8192 and M = 1024 for narrower weights."""
-    return m >= 1024 or (m >= 256 and n >= 8192)
-
 GEMV_MAX_M = 8  # W4A16 runs the decode GEMV (:mod:`.nvfp4_gemv`) up to this many tokens (H200: faster at every shape)
 
 
@@ -865,16 +859,6 @@ def nvfp4_w4a16(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilog
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"expected bf16 x[M, {w.k}], got {x.dtype} {tuple(x.shape)}")
     return launch_gemm(x.contiguous(), w, epilogue, False, None, bias, residual, config, out)
-
-
-def nvfp4_gemm(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogue(), bias=None,
-               residual=None) -> torch.Tensor:
-    """W4A16, or W4A8 (:mod:`.nvfp4_w4a8`) past the measured crossover (:func:`use_w4a8`)."""
-    if use_w4a8(x.shape[0], w.n):
-        from quantkit.kernels.sm90.nvfp4_w4a8 import nvfp4_w4a8
-
-        return nvfp4_w4a8(x, w, epilogue, bias, residual)
-    return nvfp4_w4a16(x, w, epilogue, bias, residual)
 
 
 # ---------------------------------------------------------------------------------------- ops
