@@ -44,9 +44,9 @@ class LinearExperts(nn.ModuleList):
     ``forward(hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k]) -> [T, H]``:
     ``Σ_j w[t, j] · expert_{idx[t, j]}(x[t])``, as the fused module computes it (indices outside
     ``[0, E)``, expert-parallel sentinels, contribute nothing). ``interleaved`` / ``transposed``:
-    the fused layout it replaced (gate/up rows alternating; ``[E, K, N]`` storage). With ``calibrate_all`` set, every
-    expert runs on all ``T`` tokens (so hooks on its layers see them all) and the output still
-    combines only the routed ones.
+    the fused layout it replaced (gate/up rows alternating; ``[E, K, N]`` storage). With
+    ``calibrate_all`` set, every expert runs on all ``T`` tokens (so hooks on its layers see them
+    all) and the output still combines only the routed ones.
     """
 
     def __init__(self, experts: list[ExpertMLP], gate_fn: Callable[[torch.Tensor], torch.Tensor], *,
