@@ -391,3 +391,36 @@ def test_experts_left_in_high_precision_round_trip_under_hub_names(tmp_path):
     ids = tokens(2, seed=3)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_transformers_loads_the_checkpoint_by_its_hub_names(arch, tmp_path):
+    """transformers' own compressed-tensors loader (its hub-name conversion, dequantizing) finds
+    every tensor of our checkpoint: none missing, only the input scales unused; attention weights equal our
+    dequantized ones; each expert weight equals ours up to one factor per tensor. (transformers
+    5.24 drops NVFP4 experts' weight_global_scale: the factor is 1/s_g, huggingface/transformers#48371.)"""
+    from transformers import CompressedTensorsConfig
+
+    model = _quantized(arch)
+    save(model, tmp_path / "q")
+    theirs, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "q", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True),
+        output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    # dequantizing, it has no use for the activation scales
+    assert info["unexpected_keys"] and all(k.endswith(".input_global_scale") for k in info["unexpected_keys"])
+    for layer in range(LAYERS):
+        ours = model.model.layers[layer]
+        for p in "qkvo":
+            want = getattr(ours.self_attn, f"{p}_proj").qweight.dequantize()
+            torch.testing.assert_close(getattr(theirs.model.layers[layer].self_attn, f"{p}_proj").weight.float(), want,
+                                       rtol=2 ** -8, atol=0)  # bf16-rounded
+        fused = theirs.model.layers[layer].mlp.experts
+        for e in range(E):
+            got = {"gate_proj": fused.gate_up_proj[e, :I], "up_proj": fused.gate_up_proj[e, I:], "down_proj": fused.down_proj[e]}
+            for p in PROJ:
+                layer_q = getattr(ours.mlp.experts[e], p)
+                mine = layer_q.qweight.dequantize()
+                factor = got[p].float().abs().amax() / mine.abs().amax()
+                assert any(torch.isclose(factor, f, rtol=2 ** -7) for f in (torch.tensor(1.0), 1 / layer_q.weight_tensor_scale))
+                torch.testing.assert_close(got[p].detach().float(), mine * factor, rtol=2 ** -7, atol=0)
