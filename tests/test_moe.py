@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -424,3 +426,56 @@ def test_transformers_loads_the_checkpoint_by_its_hub_names(arch, tmp_path):
                 factor = got[p].float().abs().amax() / mine.abs().amax()
                 assert any(torch.isclose(factor, f, rtol=2 ** -7) for f in (torch.tensor(1.0), 1 / layer_q.weight_tensor_scale))
                 torch.testing.assert_close(got[p].detach().float(), mine * factor, rtol=2 ** -7, atol=0)
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode() + t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _quantize_digest(out) -> None:
+    """Quantize tiny Qwen3-MoE (nvfp4 + GPTQ, batches of 2) and write its digest to ``out/rank{r}``."""
+    from quantkit.calibrate.distributed import world
+
+    model = float_model("qwen3_moe")
+    quantkit.quantize(model, quantkit.Recipe("nvfp4", ("gptq",)), tokens(8), device="cpu", batch_size=2)
+    (out / f"rank{world()[0]}").write_text(_digest(model))
+
+
+def _rank(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from quantkit.calibrate.distributed import init_from_env
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    assert init_from_env()
+    try:
+        _quantize_digest(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_calibrate_the_experts_as_one_process(tmp_path):
+    """torchrun-style data parallelism: 2 gloo ranks, each on half the batches, end with the MoE
+    model one process quantizes on all of them, bit for bit (expert statistics reduced over ranks)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "parallel").mkdir()
+    (tmp_path / "single").mkdir()
+    mp.spawn(_rank, args=(port, tmp_path / "parallel"), nprocs=2, join=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: same GEMM reduction order
+    try:
+        _quantize_digest(tmp_path / "single")
+    finally:
+        torch.set_num_threads(threads)
+    digests = {(tmp_path / "parallel" / f"rank{r}").read_text() for r in range(2)}
+    assert digests == {(tmp_path / "single" / "rank0").read_text()}
