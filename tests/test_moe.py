@@ -479,3 +479,25 @@ def test_two_ranks_calibrate_the_experts_as_one_process(tmp_path):
         torch.set_num_threads(threads)
     digests = {(tmp_path / "parallel" / f"rank{r}").read_text() for r in range(2)}
     assert digests == {(tmp_path / "single" / "rank0").read_text()}
+
+
+def test_experts_left_fused_keep_their_names_and_round_trip(tmp_path, monkeypatch):
+    """Experts of a layout quantkit cannot split stay fused: the checkpoint keeps the model's fused
+    names (the hub's per-expert names would need the split) and reloads them exactly."""
+    from quantkit.nn import experts
+
+    monkeypatch.setattr(experts, "unsupported_reason", lambda module: "kept fused for this test")
+    model = float_model("qwen3_moe")
+    report = quantize_model(model, "nvfp4-w4a16")
+    assert {r.name for r in report.skipped if "experts" in r.name} == {
+        f"model.layers.{layer}.mlp.experts.{p}" for layer in range(LAYERS) for p in ("gate_up_proj", "down_proj")}
+    save(model, tmp_path / "q")
+    assert {k for k in _keys(tmp_path / "q") if "experts" in k} == {
+        f"model.layers.{layer}.mlp.experts.{p}" for layer in range(LAYERS) for p in ("gate_up_proj", "down_proj")}
+    loaded = load(tmp_path / "q", dtype=torch.float32)
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    loaded.config._experts_implementation = "eager"  # as the original (not saved in config.json)
+    ids = tokens(2, seed=4)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

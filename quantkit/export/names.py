@@ -5,11 +5,14 @@ transformers 5 renames some models' tensors on load and reverts that on ``save_p
 become ``mlp.experts.gate_up_proj``. A quantized model's experts are per-expert Linears
 (:class:`~quantkit.nn.experts.LinearExperts`), so :class:`CheckpointNames` asks transformers' own
 reverse conversion where each per-expert and every other tensor goes, by running it on a
-placeholder state dict of the fused layout whose elements are unique ids. A name whose tensor the
-reversal merges with others (gpt-oss keeps fused ``gate_up_proj`` on the hub) keeps the model's
-name: ``experts.{e}.gate_proj`` etc., the per-expert naming of llm-compressor and vLLM.
+placeholder state dict of the fused layout whose elements are unique ids. A tensor the reversal
+does not merely rename (merged with others: gpt-oss keeps fused ``gate_up_proj`` on the hub; or
+split: experts left fused, fused convolutions) keeps the model's name (for experts
+``experts.{e}.gate_proj`` etc., the per-expert naming of llm-compressor and vLLM).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
@@ -75,14 +78,18 @@ class CheckpointNames:
                 state.update(_fused_placeholders(name, module, ids))
                 inside.update(f"{name}.{n}" for n, _ in module.named_modules() if n)
         for key, t in model.state_dict(keep_vars=True).items():
-            if key.rpartition(".")[0] not in inside:
+            if key.rpartition(".")[0] not in inside:  # size 2 per dimension: a split shows as two outputs
                 ids.append(key)
-                state[key] = torch.full((1,) * t.dim(), float(len(ids) - 1), dtype=torch.float64)
-        self._to_disk: dict[str, str] = {}
+                state[key] = torch.full((2,) * t.dim(), float(len(ids) - 1), dtype=torch.float64)
+        outputs: Counter[int] = Counter()
+        renamed = {}
         for disk_name, t in _reverted(model, state).items():
-            values = torch.as_tensor(t).flatten().unique()
-            if values.numel() == 1:
-                self._to_disk[ids[int(values.item())]] = disk_name
+            values = [int(v) for v in torch.as_tensor(t).flatten().unique()]
+            outputs.update(values)
+            if len(values) == 1:
+                renamed[values[0]] = disk_name
+        # a pure renaming: the tensor goes whole to one checkpoint tensor (not split, not merged)
+        self._to_disk = {ids[i]: name for i, name in renamed.items() if outputs[i] == 1}
         self._from_disk = {v: k for k, v in self._to_disk.items()}
 
     def tensor(self, key: str) -> str:
