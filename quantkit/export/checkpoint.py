@@ -45,10 +45,10 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
     the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. Every
     :class:`~quantkit.nn.QuantLinear` must share one format; the model's other ``nn.Linear`` layers
-    and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint (what
-    ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts are
-    written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE loaders
-    read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
+    and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint
+    (what ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts
+    are written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE
+    loaders read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
     Raises ``ValueError`` for a model without QuantLinear layers, a format the flavour lacks, or a
     static-activation format (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
     """
@@ -159,7 +159,8 @@ def _empty_model(directory: Path, cfg: dict, dtype: torch.dtype) -> nn.Module:
 
 def _load_layer(model: nn.Module, name: str, disk: str, linear: nn.Linear, fmt: str, specs: tuple[TensorSpec, ...],
                 tensors: CheckpointTensors, dtype: torch.dtype) -> None:
-    """Replace ``linear`` (called ``name``; ``disk`` in the checkpoint) by a QuantLinear filled from the checkpoint."""
+    """Replace ``linear`` (called ``name``, ``disk`` in the checkpoint) by a QuantLinear filled from
+    the checkpoint."""
     n, k = linear.out_features, linear.in_features
     fields = import_layer(tensors, f"{disk}.", specs, n, k)
     try:
