@@ -120,7 +120,6 @@ def test_sm90_backend_takes_the_format():
 
 
 # ----------------------------------------------------------------------------- checkpoint
-@pytest.mark.skip(reason="needs export rows")
 @pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])
 def test_checkpoint_is_nvfp4_w4a16_on_disk_and_loads_as_nvfp4_w4a8(export, tmp_path):
     import json
@@ -147,7 +146,6 @@ def test_checkpoint_is_nvfp4_w4a16_on_disk_and_loads_as_nvfp4_w4a8(export, tmp_p
         assert torch.isfinite(loaded(ids).logits).all()
 
 
-@pytest.mark.skip(reason="needs export rows")
 def test_cli_quantize_writes_an_nvfp4_w4a8_checkpoint(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
