@@ -17,6 +17,7 @@ Each quantized row calibrates a fresh float32 copy with ``quantkit.calibrate.qua
 rows already there are skipped: the run can be resumed) and the Markdown table to stdout.
 
     python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default
+    python benchmarks/accuracy_gemma.py --out benchmarks/results/accuracy_gemma_nvfp4.json --table
 """
 from __future__ import annotations
 
@@ -105,7 +106,11 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--out", type=Path, default=Path("accuracy_gemma.json"))
+    p.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
     args = p.parse_args()
+    if args.table:
+        print(markdown(json.loads(args.out.read_text())))
+        return
     torch.manual_seed(0)
 
     base, tokenizer = load_model("demo", dtype=torch.float32)
