@@ -43,7 +43,7 @@ def test_sequential_scales_equal_whole_model_calibration(fmt):
     model = tiny_llama()
     ids = torch.randint(0, 128, (6, 24))
     ref = whole_model_input_amax(model, ids, 4)
-    report = quantize(model, Recipe(fmt, propagate="float"), ids, batch_size=4)
+    report = quantize(model, Recipe(fmt, ("rtn",), propagate="float"), ids, batch_size=4)
     act = get_format(fmt).activation
     for r in report.quantized:
         q = model.get_submodule(r.name)
@@ -93,7 +93,7 @@ def test_quantized_propagation_feeds_quantized_outputs_forward():
 
 def test_dynamic_formats_need_no_data():
     model = tiny_llama()
-    report = quantize(model, "mxfp8", None)
+    report = quantize(model, Recipe("mxfp8", ("rtn",)), None)
     assert len(report.quantized) == 21 and report.calibration is None
     with pytest.raises(CalibrationError, match="needs calibration data"):
         quantize(tiny_llama(), "nvfp4", None)

@@ -233,7 +233,7 @@ def test_quantized_experts_match_an_independent_rtn_reference(arch):
     model's logits equal a float model whose expert weights are the dequantized reference."""
     model = float_model(arch)
     fused = [dict(layer.mlp.experts.named_parameters()) for layer in model.model.layers]
-    report = quantkit.quantize(model, "nvfp4-w4a16", tokens(4), device="cpu")
+    report = quantkit.quantize(model, quantkit.Recipe("nvfp4-w4a16", ("rtn",)), tokens(4), device="cpu")
     assert {r.name for r in report.quantized} >= ALL_EXPERT_LINEARS
     assert not [r for r in report.skipped if ".experts" in r.name]
     emulated = float_model(arch)
@@ -273,7 +273,7 @@ def test_nvfp4_logits_are_close_to_the_float_model(arch):
             if recipe == "nvfp4-w4a16":
                 quantize_model(model, recipe)
             else:
-                quantkit.quantize(model, quantkit.Recipe("nvfp4", (recipe,) if recipe == "gptq" else ()), tokens(8), device="cpu")
+                quantkit.quantize(model, quantkit.Recipe("nvfp4", (recipe,) if recipe == "gptq" else ("rtn",)), tokens(8), device="cpu")
             errors[recipe] = ((model(ids).logits - reference).norm() / reference.norm()).item()
     for layer in model.model.layers:
         for ex in layer.mlp.experts:

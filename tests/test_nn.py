@@ -114,14 +114,14 @@ def test_quantlinear_under_torch_compile():
     assert torch.allclose(compiled(x), q(x), rtol=0, atol=0)
 
 
-def test_fused_moe_experts_are_listed_as_unquantized():
+def test_fused_moe_experts_are_split_and_quantized():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                          num_experts_per_tok=2, head_dim=16)
     report = quantize_model(Qwen3MoeForCausalLM(cfg), "nvfp4")
-    reasons = {r.name: r.reason for r in report.skipped}
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
-        assert reasons[name] == "fused expert weights (not nn.Linear): left unquantized"
-    assert {r.name for r in report.quantized} == {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"}
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert {r.name for r in report.quantized} == {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"} | experts
+    assert {r.name: r.reason for r in report.skipped} == {
+        "model.layers.0.mlp.gate": "MoE router: kept in high precision", "lm_head": "ignored by pattern"}

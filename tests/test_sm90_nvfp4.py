@@ -247,8 +247,20 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False).bn == 128
     big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
     assert big.bn == 256 and big.splits == 1
-    with pytest.raises(ValueError):
-        ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"))
+    with pytest.raises(ValueError, match="swiglu needs 2 warpgroups"):
+        ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"), w4a8=False)
+
+
+def test_configs_fit_shared_memory():
+    """Every picked config fits the 227 KiB CTA limit; a W4A8 config with a bf16 (W4A16) tile does not."""
+    for m in (1, 5, 16, 33, 64, 100, 257, 4096):
+        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
+            for w4a8 in (False, True):
+                for epi in (Epilogue(), Epilogue(activation="swiglu")):
+                    ng.pick_config(m, n, k, epi, w4a8).check(epi, w4a8)
+    ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=True)
+    with pytest.raises(ValueError, match="needs 377856 bytes of shared memory in W4A16 mode"):
+        ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=False)
 
 
 # ----------------------------------------------------------------------------- compile-only
@@ -462,11 +474,21 @@ def test_gpu_epilogues(mode, epi):
     assert err < 4e-3, err
 
 
+GPU_VARIANTS = [ng.Config(8, 1, 4, 4, pdl=True), ng.Config(16, 2, 4, 2, batched=True),
+                ng.Config(8, 1, 8, 8, pdl=True, batched=True), ng.Config(128, 2, 5, 1), ng.Config(256, 2, 5, 1)]
+
+
+def stage_fits(config: ng.Config, w4a8: bool) -> bool:
+    try:
+        config.check(Epilogue(), w4a8)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
-@pytest.mark.parametrize("config", [ng.Config(8, 1, 4, 4, pdl=True), ng.Config(16, 2, 4, 2, batched=True),
-                                    ng.Config(8, 1, 8, 8, pdl=True, batched=True), ng.Config(128, 2, 5, 1),
-                                    ng.Config(256, 2, 5, 1)])
+@pytest.mark.parametrize("mode,config", [(mode, c) for c in GPU_VARIANTS for mode in ("w4a16", "w4a8")
+                                         if stage_fits(c, mode == "w4a8")])
 def test_gpu_config_variants(mode, config):
     """Code variants the benchmarks select explicitly: PDL, batched WGMMA issue, and the
     setmaxnreg-rebalanced two-warpgroup large tiles."""

@@ -94,7 +94,7 @@ def test_weights_are_nvfp4_w4a16_weights_and_need_no_calibration_data():
         QuantLinear(64, 8, format="nvfp4-w4a8", static_input=True)
     models = {fmt: tiny_llama(96) for fmt in ("nvfp4-w4a8", "nvfp4-w4a16")}
     for fmt, model in models.items():
-        calibrate(model, Recipe(fmt), None)  # RTN, no data
+        calibrate(model, Recipe(fmt, ("rtn",)), None)  # no data
     sd8, sd16 = models["nvfp4-w4a8"].state_dict(), models["nvfp4-w4a16"].state_dict()
     assert sd8.keys() == sd16.keys() and all(torch.equal(sd8[k], sd16[k]) for k in sd8)
     formats = {m.format for m in models["nvfp4-w4a8"].modules() if isinstance(m, QuantLinear)}

@@ -7,7 +7,12 @@ from quantkit.formats import get_format
 from quantkit.nn.swap import DEFAULT_IGNORE
 
 # The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md).
-DEFAULT_ALGORITHMS: dict[str, tuple[str, ...]] = {}
+DEFAULT_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "nvfp4": ("awq", "mse"),
+    "nvfp4-w4a16": ("awq", "mse"),
+    "fp8-block": ("mse",),
+    "mxfp8": ("gptq",),
+}
 
 
 @dataclass(frozen=True)

@@ -232,17 +232,28 @@ class Config:
     pdl: bool = False  # programmatic dependent launch: weights stream before the previous kernel ends
     batched: bool = False  # per stage: decode every k-block, then issue all WGMMAs
 
-    def check(self, epilogue: Epilogue) -> None:
-        """Raise ValueError if this config cannot run ``epilogue``."""
+    def check(self, epilogue: Epilogue, w4a8: bool) -> None:
+        """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
         if self.bn not in (8, 16, 32, 64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
             raise ValueError(f"unsupported config {self}")
+        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE
+        if need > _SMEM:
+            raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode; "
+                             f"an sm90 CTA has {_SMEM}: use fewer stages")
         if epilogue.activation == "swiglu" and self.warpgroups != 2:
             raise ValueError("swiglu needs 2 warpgroups (the gate and up halves of a 128-row group)")
         if epilogue.requant is not None:
             raise ValueError("the NVFP4 sm90 kernels write bf16 only (no requant epilogue)")
 
 
-_SMEM = 227 * 1024  # per SM
+_SMEM = 227 * 1024  # per CTA (sm90 opt-in maximum)
+_SMEM_RESERVE = 4096  # barriers and alignment padding beside the pipeline stages
+
+
+def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
+    """Shared memory of one pipeline stage: each warpgroup's weight tile plus the [bn, BK]
+    activation tile (FP8 in W4A8, bf16 in W4A16)."""
+    return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
 def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_sms: int = 132) -> Config:
@@ -279,11 +290,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     target = {8: 2 * num_sms, 16: 1.5 * num_sms, 32: 1.5 * num_sms, 64: num_sms // 2}.get(bn, 0)
     while ctas * splits < target and k_tiles // (2 * splits) >= 4:
         splits *= 2
-    stage_bytes = wgs * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
     else:
-        stages = max(3, min(8, (_SMEM // (2 if bn == 64 else 1) - 4096) // stage_bytes))
+        stages = max(3, min(8, (_SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE) // stage_bytes(bn, wgs, w4a8)))
     return Config(bn, wgs, stages, splits)
 
 
@@ -378,7 +388,7 @@ def _build_kernel_class():
         """One (mode, config, epilogue, bias dtype) kernel; call through ``cute.compile``."""
 
         def __init__(self, config: Config, epilogue: Epilogue, w4a8: bool, bias_fp32: bool):
-            config.check(epilogue)
+            config.check(epilogue, w4a8)
             self.cfg, self.epi, self.w4a8 = config, epilogue, w4a8
             self.bias_dtype = Float32 if bias_fp32 else cutlass.BFloat16
             self.ab_dtype = cutlass.Float8E4M3FN if w4a8 else cutlass.BFloat16
