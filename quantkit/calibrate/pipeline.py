@@ -126,6 +126,7 @@ def _to(obj, device):
     return obj
 
 
+@torch.no_grad()  # without it each layer's outputs would keep every earlier layer's activations alive
 def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch.Tensor | None = None, *,
              device: str | torch.device | None = None, batch_size: int = 8, max_device_bytes: int | None = None,
              offload_device: str | torch.device = "cpu",

@@ -37,7 +37,6 @@ residual) from registers.
 """
 import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -345,7 +344,8 @@ def dsl_ops():
                                  activate=activate)
 
 
-def _build_kernel_class():
+@functools.cache  # built on first use: importing cutlass is slow
+def _kernel_class():
     """Define the CuTeDSL kernel (imports CuTeDSL; called on first compile)."""
     import cutlass
     import cutlass.cute as cute
@@ -756,18 +756,6 @@ def _build_kernel_class():
                         mOut[mm, nn] = v.to(cutlass.BFloat16)
 
     return Nvfp4GemmSm90
-
-
-_KERNEL_CLASS = None
-_class_lock = threading.Lock()
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    with _class_lock:
-        if _KERNEL_CLASS is None:
-            _KERNEL_CLASS = _build_kernel_class()
-    return _KERNEL_CLASS
 
 
 def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: bool = False,

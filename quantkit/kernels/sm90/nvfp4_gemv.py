@@ -30,7 +30,6 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
 
 import functools
 import importlib.util
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +95,8 @@ def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: in
 
 
 # ---------------------------------------------------------------------------------------- kernel
-def _build_kernel_class():
+@functools.cache  # built on first use: importing cutlass is slow
+def _kernel_class():
     """Define the CuTeDSL kernel (imports CuTeDSL; called on first compile)."""
     import cutlass
     import cutlass.cute as cute
@@ -376,18 +376,6 @@ def _build_kernel_class():
                     mOut[tok, col] = v.to(cutlass.BFloat16)
 
     return Nvfp4GemvSm90
-
-
-_KERNEL_CLASS = None
-_class_lock = threading.Lock()
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    with _class_lock:
-        if _KERNEL_CLASS is None:
-            _KERNEL_CLASS = _build_kernel_class()
-    return _KERNEL_CLASS
 
 
 def tvm_ffi_available() -> bool:
