@@ -37,7 +37,7 @@ TUNE_M = (1, 16, 64, 128, 512, 4096)
 # Same-run A/B of the deferred epilogue on the large-M configs of the dispatch table (--ab-defer).
 DEFER_AB = [c for cfg in (fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=4),
                           fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4))
-            for c in (cfg, replace(cfg, defer_epilogue=False))]
+            for c in (cfg, replace(cfg, defer_epilogue=not cfg.defer_epilogue))]
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
 # overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
@@ -180,15 +180,16 @@ def main() -> None:
               f" | scaled_mm {tf(t_smm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16 x{t_smm / t_ours:.2f} smm | err {err:.1e}", flush=True)
         if (m, n, k) in [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (16, 4096, 4096)]:
             epi = Epilogue(bias=True, activation="silu", requant="fp8-block")
-            epi_cfg = fbg.pick_config(m, n, k, epi)
             bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
-            t_epi = prob.ours(epi_cfg, epi, bias)
-            t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
-            t_bare = prob.ours(epi_cfg)
-            results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_bare, bias_silu_us=t_silu,
-                                            bias_silu_requant_us=t_epi))
-            print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
-                  f" bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}, x{t_silu / t_bare:.3f}", flush=True)
+            picked = fbg.pick_config(m, n, k, epi)
+            for epi_cfg in (picked, replace(picked, defer_epilogue=not picked.defer_epilogue)) if args.ab_defer else (picked,):
+                t_epi = prob.ours(epi_cfg, epi, bias)
+                t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
+                t_bare = prob.ours(epi_cfg)
+                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_bare, bias_silu_us=t_silu,
+                                                bias_silu_requant_us=t_epi))
+                print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
+                      f" bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}, x{t_silu / t_bare:.3f}", flush=True)
         del prob
 
     for m, k in [] if args.ab_defer else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:

@@ -641,9 +641,13 @@ class Fp8BlockGemmSm90:
 # M up to that bucket.
 _M_BUCKETS = (1, 16, 64, 128, 512, 1 << 31)
 _S, _W = TileConfig(64, 64), TileConfig(64, 128)  # small-M tiles
-_T, _L = TileConfig(128, 64), TileConfig(128, 128)  # large-M tiles
+# The 128x128 large-M tiles run each tile's epilogue right after its mainloop: the deferred epilogue
+# was 0-8 % slower for the bare GEMM at M=4096 and no faster with bias+SiLU+requant (H200 A/B,
+# benchmarks/NOTES.md session 4); the 192-column tile keeps it (up to 3 % faster there).
+_T, _L = TileConfig(128, 64), TileConfig(128, 128, defer_epilogue=False)  # large-M tiles
 _WC = TileConfig(64, 128, 1, 2)  # cluster of 2 along N (A multicast)
-_LC4, _LC8 = TileConfig(128, 128, 1, 2, raster=4), TileConfig(128, 128, 1, 2, raster=8)  # A multicast + raster groups
+_LC4 = TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False)  # A multicast + raster groups
+_LC8 = TileConfig(128, 128, 1, 2, raster=8, defer_epilogue=False)
 _NB4 = TileConfig(128, 192, 2, 1, overlap=False, raster=4)  # 192-column tiles, B multicast (N = 2112 is 11 of them)
 _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
     (n, k): tuple(zip(_M_BUCKETS, cfgs))
