@@ -91,10 +91,15 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+class _LastLayerReached(Exception):
+    """Raised by the last layer's recorder: what follows the layers (final norm, LM head) need not run."""
+
+
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]):
-    """Run ``model`` with every layer replaced by an identity; return, per batch, the hidden states
-    entering layer 0 and, per layer, the keyword arguments it was called with."""
+    """Run ``model`` with every layer replaced by an identity, up to the last layer; return, per
+    batch, the hidden states entering layer 0 and, per layer, the keyword arguments it was called
+    with."""
     records: list[tuple[torch.Tensor, list[dict]]] = []
 
     def recorder(i: int) -> Callable:
@@ -102,6 +107,8 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
             if i == 0:
                 records.append((hidden_states, []))
             records[-1][1].append(kwargs)
+            if i == len(layers) - 1:
+                raise _LastLayerReached
             return hidden_states
         return forward
 
@@ -109,7 +116,10 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
         layer.forward = recorder(i)
     try:
         for ids in batches:
-            model(input_ids=ids, use_cache=False)
+            try:
+                model(input_ids=ids, use_cache=False)
+            except _LastLayerReached:
+                pass
     finally:
         for layer in layers:
             del layer.forward
@@ -178,9 +188,9 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         scope = f"{prefix}.{i}."
         linears = {n: m for n, m in planned.items() if n.startswith(scope)}
 
-        def run_block(layer=layer, i=i) -> list[torch.Tensor]:
-            return [_hidden(layer(h.to(device), **_to(kws[i], device))).to(state_device)
-                    for h, (_, kws) in zip(hidden, records)]
+        def run_block(batches: list[int] | None = None, layer=layer, i=i) -> list[torch.Tensor]:
+            return [_hidden(layer(hidden[b].to(device), **_to(records[b][1][i], device))).to(state_device)
+                    for b in (range(len(hidden)) if batches is None else batches)]
 
         with calibrating_all_experts(layer):
             observed = observed_inputs(layer, scope, list(linears))
@@ -191,11 +201,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                                fused_groups(linears), shared_weight_amax(linears), run_block)
             for algo in algos:
                 algo.apply(ctx)
-        input_scales = {}
-        if fmt.activation is not None and fmt.activation.static:
-            for group in [*ctx.groups, *[[n] for n in linears if not any(n in g for g in ctx.groups)]]:
-                amax = torch.stack([ctx.stats[n].amax for n in group]).max()
-                input_scales.update({n: fmt.activation.input_scale_from_amax(amax) for n in group})
+        input_scales = ctx.input_scales()
         rel = {n[len(scope):]: n for n in linears}
         ignore = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and scope + n not in linears]
         part = quantize_model(layer, fmt.name, ignore, qweights={r: ctx.qweights[n] for r, n in rel.items()},

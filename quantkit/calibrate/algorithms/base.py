@@ -26,10 +26,10 @@ class LayerContext:
 
     ``linears``: the layer's Linear modules to quantize, by full model name. ``stats``: their input
     statistics. ``groups``: fused sibling groups (share tensor scales). ``weight_amax``: per layer,
-    the amax its NVFP4 tensor scale derives from (max over its fused group). ``run_block``: runs
-    the float decoder layer on the calibration inputs and returns its outputs (for algorithms that
-    measure output error). Algorithms fill ``scales`` (``(scale, tensor_scale)`` by name) and
-    ``qweights``."""
+    the amax its NVFP4 tensor scale derives from (max over its fused group). ``run_block(batches)``:
+    runs the decoder layer (as its modules are now) on the calibration batches ``batches``
+    (indices; ``None``: all) and returns its outputs, for algorithms that measure output error.
+    Algorithms fill ``scales`` (``(scale, tensor_scale)`` by name) and ``qweights``."""
 
     fmt: Format
     block: nn.Module
@@ -37,7 +37,7 @@ class LayerContext:
     stats: dict[str, InputStats]
     groups: list[list[str]]
     weight_amax: dict[str, torch.Tensor]
-    run_block: Callable[[], list[torch.Tensor]]
+    run_block: Callable[..., list[torch.Tensor]]
     scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
 
@@ -48,6 +48,19 @@ class LayerContext:
             w = self.linears[name].weight.detach().float()
             self.scales[name] = self.fmt.weight.compute_scales(w, self.weight_amax[name])
         return self.scales[name]
+
+    def input_scales(self) -> dict[str, torch.Tensor]:
+        """Static activation tensor scales by name, for formats that calibrate them (else empty):
+        one per fused group, from the largest calibration ``amax`` of its members."""
+        act = self.fmt.activation
+        if act is None or not act.static:
+            return {}
+        grouped = {n for g in self.groups for n in g}
+        scales = {}
+        for group in [*self.groups, *[[n] for n in self.linears if n not in grouped]]:
+            amax = torch.stack([self.stats[n].amax for n in group]).max()
+            scales.update({n: act.input_scale_from_amax(amax) for n in group})
+        return scales
 
 
 class Algorithm:
