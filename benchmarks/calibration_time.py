@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--recipes", nargs="+", default=[f"{f}:{a}" for f, a in RECIPES], help="FORMAT:ALGOS, e.g. nvfp4:awq+mse")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     config = load_config(args.config)
@@ -33,7 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.samples, args.seq_len))
     rows = []
-    for fmt, algo in RECIPES:
+    for fmt, algo in (r.split(":") for r in args.recipes):
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         if args.device == "cuda":

@@ -1,4 +1,4 @@
-"""Calibration algorithms (MSE, GPTQ, AWQ, SmoothQuant) against RTN and independent references."""
+"""Calibration algorithms (MSE, GPTQ, AWQ, SmoothQuant, AutoRound) against RTN and independent references."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.algorithms import AWQ, GPTQ, MSE, LayerContext, SmoothQuant, build
+from quantkit.calibrate.algorithms.autoround import AutoRound, grid_step
 from quantkit.calibrate.algorithms.gptq import ColumnQuantizer, gptq_quantize
 from quantkit.calibrate.algorithms.mse import qdq, search_block_scales
 from quantkit.calibrate.algorithms.smoothquant import smoothing_pairs
@@ -161,9 +162,82 @@ def test_smoothing_pairs_found(arch):
     ("nvfp4", "awq+mse", {"awq": {"grid": 10}}, 0.7),
     ("nvfp4-w4a16", "awq+mse", {"awq": {"grid": 10}}, 0.75),
     ("mxfp8", "gptq", None, 0.8),
+    ("nvfp4", "mse+autoround", {"autoround": {"iters": 20}}, 0.7),
+    ("fp8-block", "autoround", {"autoround": {"iters": 20}}, 0.95),
 ])
 def test_algorithm_lowers_output_error_vs_rtn(arch, fmt, algo, options, gain):
     assert relative_logit_error(arch, fmt, algo, options) < gain * rtn_logit_error(arch, fmt)
+
+
+# ---------------------------------------------------------------- AutoRound
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("target", ["layer", "model"])
+def test_autoround_improves_on_its_scales(arch, target):
+    # same (MSE) scales, learned rounding instead of round-to-nearest: fails if the offsets do
+    # nothing (measured ratios 0.66-0.77 on MXFP4, whose coarse E8M0 scales leave the most to rounding)
+    learned = relative_logit_error(arch, "mxfp4", "mse+autoround", {"autoround": {"iters": 20, "target": target}})
+    assert learned < 0.85 * relative_logit_error(arch, "mxfp4", "mse")
+
+
+def test_float_targets_are_the_float_models_layer_outputs(monkeypatch):
+    model = with_outliers("llama")
+    float_outputs = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: float_outputs.append(out[0] if isinstance(out, tuple) else out))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        for batch in CALIB.split(4):
+            model(batch)
+    for h in hooks:
+        h.remove()
+    seen, apply = [], AutoRound.apply
+
+    def recording(self, ctx):
+        seen.append(([t.clone() for t in ctx.targets], [t.clone() for t in ctx.run_block()]))
+        apply(self, ctx)
+
+    monkeypatch.setattr(AutoRound, "apply", recording)
+    quantize(model, Recipe.parse("nvfp4", "autoround", options={"autoround": {"target": "model", "iters": 0}}), CALIB, batch_size=4)
+    for i, (targets, local) in enumerate(seen):  # hooks ran batch by batch: layer 0, 1, layer 0, 1
+        torch.testing.assert_close(torch.cat(targets), torch.cat(float_outputs[i::2]))
+    # layer 1's own inputs came from the quantized layer 0: its float output there is another tensor
+    assert not torch.allclose(torch.cat(seen[1][1]), torch.cat(seen[1][0]), rtol=1e-3, atol=1e-3)
+
+
+def test_autoround_without_steps_is_round_to_nearest():
+    models = [with_outliers("llama") for _ in range(2)]
+    quantize(models[0], Recipe.parse("nvfp4", "mse"), CALIB, batch_size=4)
+    quantize(models[1], Recipe.parse("nvfp4", "mse+autoround", options={"autoround": {"iters": 0}}), CALIB, batch_size=4)
+    for (name, a), b in zip(models[0].named_modules(), models[1].modules()):
+        if hasattr(a, "qweight"):
+            assert torch.equal(a.qweight.data, b.qweight.data), name
+            assert torch.equal(a.qweight.scale.view(torch.uint8), b.qweight.scale.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "fp8-block"])
+def test_grid_step_is_the_gap_between_neighbouring_grid_points(fmt):
+    # independent reference: every representable value of each block (element grid x dequantized
+    # block scale, float64), and the two that bracket each weight
+    f = get_format(fmt)
+    w = torch.distributions.StudentT(3.0).sample((128, 256)) * 0.02
+    scale, ts = f.weight.compute_scales(w)
+    step = grid_step(f, w, scale, ts).double()
+    if f.weight.storage(1, 256)[0][1] == torch.float8_e4m3fn:
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        elements = codes[torch.isfinite(codes)].abs().unique()
+    else:
+        elements = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    grid = torch.cat([-elements.flip(0), elements]).unique()
+    s = torch.exp2(scale.double() - 127) if scale.dtype == torch.uint8 else scale.double()  # E8M0 or a float
+    s = s * (ts.double() if ts is not None else 1.0)
+    br, bc = f.weight.block[0] or 128, f.weight.block[1] or 256
+    s = s.repeat_interleave(br, 0)[:128].repeat_interleave(bc, 1)
+    x = w.double() / s
+    inside = (x.abs() < elements.max()) & ~torch.isin(x, grid)
+    upper = grid[torch.searchsorted(grid, x[inside])]
+    lower = grid[torch.searchsorted(grid, x[inside]) - 1]
+    torch.testing.assert_close(step[inside], (upper - lower) * s[inside], rtol=1e-6, atol=0)
+    assert inside.float().mean() > 0.9
 
 
 # ---------------------------------------------------------------- MSE scale search

@@ -171,7 +171,8 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         raise CalibrationError(str(err)) from None
     records = capture_layer_inputs(model, layers, batches)
     block_bytes = max(_nbytes(layer) for layer in layers)
-    state_bytes = 2 * sum(h.numel() * h.element_size() for h, _ in records)
+    float_targets = recipe.propagate == "quantized" and any(a.needs_float_targets for a in algos)
+    state_bytes = (3 if float_targets else 2) * sum(h.numel() * h.element_size() for h, _ in records)
     offloaded = max_device_bytes is not None and block_bytes + state_bytes > max_device_bytes
     if offloaded:
         batch_bytes = max(h.numel() * h.element_size() for h, _ in records) * 2
@@ -180,6 +181,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                                    f"bytes) do not fit max_device_bytes={max_device_bytes}: lower --batch-size or raise the budget")
     state_device = torch.device(offload_device) if offloaded else device
     hidden = [h.to(state_device) for h, _ in records]
+    float_hidden = list(hidden) if float_targets else None  # the float model's trajectory
 
     report = QuantizationReport(fmt.name, list(skipped))
     needs_hessian = any(a.needs_hessian for a in algos)
@@ -188,17 +190,19 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         scope = f"{prefix}.{i}."
         linears = {n: m for n, m in planned.items() if n.startswith(scope)}
 
-        def run_block(batches: list[int] | None = None, layer=layer, i=i) -> list[torch.Tensor]:
-            return [_hidden(layer(hidden[b].to(device), **_to(records[b][1][i], device))).to(state_device)
-                    for b in (range(len(hidden)) if batches is None else batches)]
+        def run_block(batches: list[int] | None = None, layer=layer, i=i, states=None) -> list[torch.Tensor]:
+            states = hidden if states is None else states
+            return [_hidden(layer(states[b].to(device), **_to(records[b][1][i], device))).to(state_device)
+                    for b in (range(len(states)) if batches is None else batches)]
 
         with calibrating_all_experts(layer):
+            targets = run_block(states=float_hidden) if float_hidden is not None else None
             observed = observed_inputs(layer, scope, list(linears))
             observers = {h: InputObserver(linears[h], hessian=needs_hessian) for h in dict.fromkeys(observed.values())}
             float_out = run_block()
             stats = {h: o.finish() for h, o in observers.items()}
             ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
-                               fused_groups(linears), shared_weight_amax(linears), run_block)
+                               fused_groups(linears), shared_weight_amax(linears), run_block, targets)
             for algo in algos:
                 algo.apply(ctx)
         input_scales = ctx.input_scales()
@@ -210,6 +214,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
             res.name = rel[res.name]
             report.layers.append(res)
         hidden = run_block() if recipe.propagate == "quantized" else float_out
+        float_hidden = targets
         layer.to(offload_device)
         if progress:
             progress(i + 1, len(layers))

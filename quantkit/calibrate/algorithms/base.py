@@ -29,6 +29,8 @@ class LayerContext:
     the amax its NVFP4 tensor scale derives from (max over its fused group). ``run_block(batches)``:
     runs the decoder layer (as its modules are now) on the calibration batches ``batches``
     (indices; ``None``: all) and returns its outputs, for algorithms that measure output error.
+    ``targets``: the float model's outputs of this layer (the layer fed the float model's hidden
+    states, not the quantized ones), when an algorithm ``needs_float_targets``; else ``None``.
     Algorithms fill ``scales`` (``(scale, tensor_scale)`` by name) and ``qweights``."""
 
     fmt: Format
@@ -38,6 +40,7 @@ class LayerContext:
     groups: list[list[str]]
     weight_amax: dict[str, torch.Tensor]
     run_block: Callable[..., list[torch.Tensor]]
+    targets: list[torch.Tensor] | None = None
     scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
 
@@ -69,6 +72,7 @@ class Algorithm:
     name: ClassVar[str]
     stage: ClassVar[str]
     needs_hessian: ClassVar[bool] = False
+    needs_float_targets: bool = False
 
     def apply(self, ctx: LayerContext) -> None:
         raise NotImplementedError

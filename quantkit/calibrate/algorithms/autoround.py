@@ -1,0 +1,108 @@
+"""AutoRound: rounding learned by signed gradient descent on the decoder layer's output error
+(Cheng et al., 2023, "Optimize Weight Rounding via Signed Gradient Descent").
+
+Each weight element ``w`` gets an offset ``v ∈ [−½, ½]`` of its local grid step ``δ(w)`` (the
+spacing of the format's values around ``w`` under its block scale), and is quantized as
+``q(w + v·δ(w))``: ``v`` can move any element to the grid point on its other side. All the ``v`` of
+a decoder layer are learned together, minimising ``Σ ‖layer_q(x) − layer(x)‖²`` over the
+calibration batches, where ``layer_q`` runs every Linear with its weights *and its inputs*
+quantized as the deployed layer will (static activation scales from the calibration amax), with
+straight-through gradients. Unlike GPTQ, the objective sees the activation quantization of W4A4
+formats and the nonlinearities between the layer's Linears.
+
+Round stage: the block scales come from the scales stage (MSE, else the amax rule) and stay fixed.
+Each iteration takes one step ``v ← clamp(v − lr·sign(∂loss/∂v), ±½)`` on the gradient summed
+over all batches (``lr`` decays linearly from ``1/iters``, AutoRound's schedule); the offsets of
+the iteration with the lowest loss are kept (``v = 0``, round to nearest, if none is lower).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.mse import qdq
+from quantkit.formats import Format
+from quantkit.formats.codecs import e8m0_decode
+
+
+def grid_step(fmt: Format, w: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """FP32 ``[N, K]``: the spacing of ``fmt``'s representable weights at each element of ``w``
+    under the given scales, i.e. ``S·2^(max(⌊log2 |w/S|⌋, emin) − mantissa bits)`` with ``S`` the
+    element's dequantized block scale (E2M1: emin 0, 1 bit; E4M3: emin −6, 3 bits)."""
+    n, k = w.shape
+    s = e8m0_decode(scale) if scale.dtype == torch.uint8 else scale.float()
+    if tensor_scale is not None:
+        s = s * tensor_scale.float()
+    br, bc = fmt.weight.block
+    s = s.repeat_interleave(br or n, 0)[:n].repeat_interleave(bc or k, 1)[:, :k].to(w.device)
+    fp8_values = fmt.weight.storage(n, k)[0][1] == torch.float8_e4m3fn
+    emin, mbits = (-6, 3) if fp8_values else (0, 1)
+    exponent = torch.floor(torch.log2((w / s).abs().clamp(min=2.0 ** emin)))
+    return torch.exp2(exponent - mbits) * s
+
+
+class AutoRound(Algorithm):
+    """Round stage: learned rounding offsets (see the module doc). ``iters``: signed-gradient
+    steps per decoder layer, each a forward and backward pass over all calibration batches;
+    ``lr``: the first step's size, in grid steps. ``target``: what the quantized layer should
+    reproduce — ``"layer"``, the float layer's output on the same inputs (those of the already
+    quantized layers before it), or ``"model"``, the float model's output at this layer
+    (AutoRound's choice: the layer also corrects the error of the layers before it; costs one
+    more float pass per layer and a third copy of the hidden states)."""
+
+    name = "autoround"
+    stage = "round"
+
+    def __init__(self, iters: int = 50, lr: float = 5e-3, target: str = "layer"):
+        if target not in ("layer", "model"):
+            raise ValueError(f"autoround target must be 'layer' or 'model', got {target!r}")
+        self.iters, self.lr = iters, lr
+        self.needs_float_targets = target == "model"
+
+    def apply(self, ctx: LayerContext) -> None:
+        fmt, act = ctx.fmt, ctx.fmt.activation
+        weights = {n: m.weight.detach().float() for n, m in ctx.linears.items()}
+        scales = {n: ctx.rtn_scales(n) for n in weights}
+        steps = {n: grid_step(fmt, w, *scales[n]) for n, w in weights.items()}
+        offsets = {n: torch.zeros_like(w) for n, w in weights.items()}
+        input_scales = ctx.input_scales()
+        target = [t.float() for t in (ctx.targets if ctx.targets is not None else ctx.run_block())]
+        quantized: dict[str, torch.Tensor] = {}  # this iteration's dequantized weights, gradient leaves
+
+        def quantized_forward(name: str, linear: torch.nn.Linear):
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                if act is not None:  # straight-through: the gradient passes the rounding unchanged
+                    x = x + (act.qdq(x, input_scales.get(name)).to(x.dtype) - x).detach()
+                return F.linear(x, quantized[name].to(x.dtype), linear.bias)
+            return forward
+
+        frozen = [p for p in ctx.block.parameters() if p.requires_grad]
+        for p in frozen:  # only the quantized weights take gradients
+            p.requires_grad_(False)
+        for name, linear in ctx.linears.items():
+            linear.forward = quantized_forward(name, linear)
+        best, best_loss = dict(offsets), None
+        try:
+            with torch.enable_grad():
+                for it in range(self.iters + 1):
+                    for name, w in weights.items():
+                        quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_()
+                    loss = 0.0
+                    for b, t in enumerate(target):
+                        err = (ctx.run_block([b])[0].float() - t).pow(2).sum()
+                        if it < self.iters:
+                            err.backward()
+                        loss += err.item()
+                    if best_loss is None or loss < best_loss:
+                        best, best_loss = dict(offsets), loss
+                    if it < self.iters:  # ∂loss/∂v = ∂loss/∂ŵ · δ (straight-through), δ > 0: same sign
+                        lr = self.lr * (1 - it / self.iters)
+                        offsets = {n: (v - lr * quantized[n].grad.sign()).clamp(-0.5, 0.5) for n, v in offsets.items()}
+        finally:
+            for linear in ctx.linears.values():
+                del linear.forward
+            for p in frozen:
+                p.requires_grad_(True)
+        for name, w in weights.items():
+            ctx.qweights[name] = fmt.quantize_weight(w + best[name] * steps[name], *scales[name])
