@@ -14,7 +14,9 @@ picks), while the block output keeps the router's top-k combination. The gate/up
 all experts of a block then see one input, recorded once (one Hessian per block, not 2·E).
 
 Only one decoder layer and the hidden states are on the device at a time; hidden states go to
-the offload device too when they do not fit ``max_device_bytes`` beside a layer.
+the offload device too when they do not fit ``max_device_bytes`` beside a layer. An algorithm that
+``needs_float_targets`` (AutoRound with ``target="model"``) gets a second set: the float model's
+hidden states, advanced through each float layer before it is quantized.
 
 Under ``torch.distributed`` (``torchrun``, one rank per GPU) each rank runs its shard of the
 calibration batches and the statistics are reduced over the ranks before each layer's algorithms
