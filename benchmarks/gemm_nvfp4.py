@@ -409,22 +409,23 @@ def candidates(m, n_pad, k, w4a8):
     return base, sorted(out, key=str)
 
 
-def run_tune(fh, deadline):
-    """Time every candidate config per (shape, M); returns rows with the heuristic's and the best."""
+def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES):
+    """Time every candidate config per (shape, M) and mode (W4A8 only from M=256); returns rows
+    with the heuristic's and the best."""
     rows = []
-    for name, n, k in TUNE_CASES:
+    for name, n, k in cases:
         if time.time() > deadline:
             log(f"tune deadline: skipping {name} {n}x{k}", fh)
             continue
         qw = quantized(n, k, seed=n + k)
         preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k // 2 + n * k // 16))]
         n_pad = preps[0].row_exp.shape[0]
-        for m in TUNE_MS:
+        for m in ms:
             if n == 57344 and m not in (1, 64):
                 continue
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             xq, xs = nw8.quantize_activation(x)
-            for mode in ("w4a16", "w4a8") if m >= 256 else ("w4a16",):
+            for mode in [md for md in modes if md == "w4a16" or m >= 256]:
                 w4a8_mode = mode == "w4a8"
                 base, cands = candidates(m, n_pad, k, w4a8_mode)
                 times = {}
@@ -478,6 +479,9 @@ def main():
     ap.add_argument("--budget", type=float, default=420, help="seconds after which no new shape starts")
     ap.add_argument("--tune", action="store_true", help="also time candidate configs (after the benchmark)")
     ap.add_argument("--tune-budget", type=float, default=200)
+    ap.add_argument("--tune-ms", type=int, nargs="+", default=TUNE_MS)
+    ap.add_argument("--tune-modes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
+    ap.add_argument("--tune-shapes", nargs="+", default=None, metavar="NxK", help="default: TUNE_CASES")
     ap.add_argument("--variants", action="store_true", help="decode A/B of PDL and batched WGMMA issue")
     ap.add_argument("--no-quack", action="store_true")
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="W4A16 token counts to time")
@@ -528,7 +532,8 @@ def main():
             variants = run_variants(args.shapes, fh, args.variant_ms)
             (out / "variants.json").write_text(json.dumps(variants, indent=1))
         if args.tune:
-            tuned = run_tune(fh, time.time() + args.tune_budget)
+            cases = ([("", *map(int, s.split("x"))) for s in args.tune_shapes] if args.tune_shapes else TUNE_CASES)
+            tuned = run_tune(fh, time.time() + args.tune_budget, args.tune_ms, args.tune_modes, cases)
             (out / "tune.json").write_text(json.dumps(tuned, indent=1))
             for r in tuned:
                 log(f"TUNED {r['shape']} M={r['m']} {r['mode']}: heuristic {r['heuristic_us']} -> best "
