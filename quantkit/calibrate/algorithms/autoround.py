@@ -12,8 +12,10 @@ formats and the nonlinearities between the layer's Linears.
 
 Round stage: the block scales come from the scales stage (MSE, else the amax rule) and stay fixed.
 Each iteration takes one step ``v ← clamp(v − lr·sign(∂loss/∂v), ±½)`` on the gradient summed
-over all batches (``lr`` decays linearly from ``1/iters``, AutoRound's schedule); the offsets of
-the iteration with the lowest loss are kept (``v = 0``, round to nearest, if none is lower).
+over all batches (``lr`` decays linearly to 0 from ``5·10⁻³``: AutoRound's ``1/iters`` is 0.05 at
+20 iterations, which flipped ~17 % of the roundings in one step on Gemma-3-270M and raised the
+layer loss 100×); the offsets of the iteration with the lowest loss are kept (``v = 0``, round
+to nearest, if none is lower). The last pass only measures the loss of the last step.
 """
 from __future__ import annotations
 
@@ -84,21 +86,22 @@ class AutoRound(Algorithm):
             linear.forward = quantized_forward(name, linear)
         best, best_loss = dict(offsets), None
         try:
-            with torch.enable_grad():
-                for it in range(self.iters + 1):
+            for it in range(self.iters + 1):
+                step = it < self.iters  # else: the last pass, loss only
+                with torch.set_grad_enabled(step):
                     for name, w in weights.items():
-                        quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_()
+                        quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
                     loss = 0.0
                     for b, t in enumerate(target):
                         err = (ctx.run_block([b])[0].float() - t).pow(2).sum()
-                        if it < self.iters:
+                        if step:
                             err.backward()
                         loss += err.item()
-                    if best_loss is None or loss < best_loss:
-                        best, best_loss = dict(offsets), loss
-                    if it < self.iters:  # ∂loss/∂v = ∂loss/∂ŵ · δ (straight-through), δ > 0: same sign
-                        lr = self.lr * (1 - it / self.iters)
-                        offsets = {n: (v - lr * quantized[n].grad.sign()).clamp(-0.5, 0.5) for n, v in offsets.items()}
+                if best_loss is None or loss < best_loss:
+                    best, best_loss = dict(offsets), loss
+                if step:  # ∂loss/∂v = ∂loss/∂ŵ · δ (straight-through), δ > 0: same sign
+                    lr = self.lr * (1 - it / self.iters)
+                    offsets = {n: (v - lr * quantized[n].grad.sign()).clamp(-0.5, 0.5) for n, v in offsets.items()}
         finally:
             for linear in ctx.linears.values():
                 del linear.forward
