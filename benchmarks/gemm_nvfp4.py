@@ -141,6 +141,8 @@ def run_check(fh, gemv_only: bool = False) -> bool:
                    for m, t in ((1, 1), (2, 2), (3, 4))]
     gemv_cases += [(m, 2048, 4096, Epilogue(activation="swiglu", bias=True), gv.GemvConfig(4, 2, 4, s, tokens=t))
                    for m, s, t in ((4, 1, 4), (3, 3, 8), (1, 2, 1))]
+    gemv_cases += [(m, 2048, 4096, Epilogue(activation="swiglu", bias=True, residual=True),
+                    gv.GemvConfig(8, 2, 2, s, tokens=t, cluster=True)) for m, s, t in ((1, 2, 1), (3, 4, 4), (8, 3, 8))]
     ok = True
     for m, k in () if gemv_only else ((1, 4096), (37, 14336), (4096, 8192)):
         good = check_act_quant(m, k)
@@ -302,11 +304,14 @@ def run_variants(shapes, fh, ms=(1, 16)):
 
 
 GEMV_CHECKED = [gv.GemvConfig(w, 1, st, sp) for w, st, sp in ((4, 4, 1), (4, 2, 2), (8, 2, 3), (8, 3, 4))]
+GEMV_CHECKED += [gv.GemvConfig(8, 1, st, sp, cluster=True, pdl=pdl) for st, sp, pdl in ((3, 2, True), (2, 3, False),
+                                                                                         (2, 4, True))]
 
 
 def gemv_grid(m, n_pad, k):
     """Decode GEMV configs to time for ``m`` tokens: 4 or 8 warps, 2..4 stages (what fits), 1..4
-    K-splits (>= 2 k-tiles per warp), and PDL on the unsplit 8-warp ones."""
+    K-splits (>= 2 k-tiles per warp), and PDL on the unsplit 8-warp ones; 8-warp K-splits also as
+    clusters meeting in distributed shared memory, with PDL."""
     tokens = 1 << max(0, m - 1).bit_length()
     out = []
     for warps in (4, 8):
@@ -317,6 +322,10 @@ def gemv_grid(m, n_pad, k):
                     out.append(cfg)
                     if warps == 8 and splits == 1:
                         out.append(dataclasses.replace(cfg, pdl=True))
+                    if warps == 8 and splits > 1:
+                        clustered = dataclasses.replace(cfg, pdl=True, cluster=True)
+                        if clustered.smem_bytes() <= 227 * 1024:
+                            out.append(clustered)
     return out
 
 

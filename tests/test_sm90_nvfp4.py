@@ -315,10 +315,12 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
-GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, epilogue)
-    (4, 1, 4, 1, 8, False, Epilogue()),
-    (8, 1, 2, 3, 1, True, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
-    (4, 2, 4, 2, 4, False, Epilogue(bias=True, activation="swiglu", residual=True)),
+GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
+    (4, 1, 4, 1, 8, False, False, Epilogue()),
+    (8, 1, 2, 3, 1, True, False, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
+    (4, 2, 4, 2, 4, False, False, Epilogue(bias=True, activation="swiglu", residual=True)),
+    (8, 1, 3, 2, 1, True, True, Epilogue()),
+    (8, 2, 2, 4, 2, False, True, Epilogue(bias=True, activation="swiglu", residual=True)),
 ]
 
 
@@ -343,26 +345,27 @@ def test_gemv_compiles_to_a_tvm_ffi_executor():
 
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
     """The decode GEMV: warp-level bf16 MMAs (no WGMMA), 16-byte cp.async copies, 16-byte
-    shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split."""
+    shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split
+    across separate CTAs, distributed-shared-memory loads and cluster barriers only in clusters."""
     pytest.importorskip("cutlass")
     script = textwrap.dedent(f"""
         import json, os, sys
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
         from quantkit.kernels.sm90 import nvfp4_gemv as gv
-        for i, (w, t, st, sp, tok, pdl, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+        for i, (w, t, st, sp, tok, pdl, cl, bias, act, res) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            gv.compile_gemv(gv.GemvConfig(w, t, st, sp, tok, pdl), Epilogue(bias=bias, activation=act, residual=res),
+            gv.compile_gemv(gv.GemvConfig(w, t, st, sp, tok, pdl, cl), Epilogue(bias=bias, activation=act, residual=res),
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
     """)
-    cases = [(w, t, st, sp, tok, pdl, e.bias, e.activation, e.residual)
-             for w, t, st, sp, tok, pdl, e in GEMV_COMPILE_CASES]
+    cases = [(w, t, st, sp, tok, pdl, cl, e.bias, e.activation, e.residual)
+             for w, t, st, sp, tok, pdl, cl, e in GEMV_COMPILE_CASES]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (_w, _t, stages, splits, tokens, pdl, _e) in enumerate(GEMV_COMPILE_CASES):
+    for i, (warps, tiles, stages, splits, tokens, pdl, cluster, _e) in enumerate(GEMV_COMPILE_CASES):
         d = tmp_path / str(i)
         text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
         assert ".target sm_90a" in text and "wgmma" not in text
@@ -372,7 +375,11 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         assert text.count("cp.async.cg.shared.global.L2::128B") == (9 + max(1, tokens // 2)) * stages
         assert text.count("ld.shared.v4.b32") == 12  # 2 code + 1 scale words per strip
         assert "ld.local" not in text and "st.local" not in text
-        assert ("atom.global.acq_rel.add" in text) == (splits > 1)
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)
+        # a cluster's splits meet in distributed shared memory: per thread, one load per split and
+        # value of the [64 * tiles, 8] tile it may own
+        assert text.count("ld.shared::cluster.f32") == (splits * 64 * tiles * 8 // (32 * warps) if cluster else 0)
+        assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == pdl
 
 
@@ -503,13 +510,17 @@ def test_gpu_config_variants(mode, config):
 @pytest.mark.parametrize("config,epi", [(None, Epilogue()),
                                         (None, Epilogue(bias=True, activation="silu", residual=True)),
                                         (None, Epilogue(activation="swiglu", bias=True, residual=True)),
-                                        ("split3", Epilogue(activation="gelu_tanh"))])
+                                        ("split3", Epilogue(activation="gelu_tanh")),
+                                        ("cluster3", Epilogue(bias=True, residual=True)),
+                                        ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True))])
 def test_gpu_gemv_matches_float64_reference(m, config, epi):
-    """The decode GEMV: through the default W4A16 route (M <= 8), and an uneven 3-way K-split."""
+    """The decode GEMV: through the default W4A16 route (M <= 8), an uneven 3-way K-split through
+    the global turnstile, and K-splits meeting in a cluster's distributed shared memory."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
-    cfg = gv.GemvConfig(8, 1, 2, 3) if config == "split3" else None  # None: the default route (use_gemv)
+    cfg = {"split3": gv.GemvConfig(8, 1, 2, 3), "cluster3": gv.GemvConfig(8, 1, 3, 3, pdl=True, cluster=True),
+           "cluster4": gv.GemvConfig(8, 2, 2, 4, cluster=True), None: None}[config]  # None: the default route
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

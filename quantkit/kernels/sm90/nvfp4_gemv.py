@@ -17,8 +17,10 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   and ``warps`` warps; warp ``w`` takes tile ``w % tiles`` and the ``w // tiles``-th contiguous
   run of the CTA's k-tiles. Partial sums meet in shared memory (fixed order); with ``splits > 1``
   the CTAs of one row block meet through the split-K turnstile of the GEMM (the last CTA to
-  arrive sums the partials in split order: deterministic) before the fused epilogue (tensor
-  scale, bias, activation incl. SwiGLU, residual) writes bf16.
+  arrive sums the partials in split order: deterministic) or, with ``cluster``, as one
+  thread-block cluster through distributed shared memory (each CTA sums, in split order, the
+  output columns it owns) before the fused epilogue (tensor scale, bias, activation incl.
+  SwiGLU, residual) writes bf16.
 * With ``pdl`` the weight copies of the first ring slots start before ``griddepcontrol.wait``
   (no kernel writes weights); activations, partials and outputs only after it.
 * Host: (config, executor) cached per launch shape; where apache-tvm-ffi is installed the
@@ -47,7 +49,9 @@ class GemvConfig:
     """``warps`` per CTA, ``tiles`` 64-row tiles per CTA (2 for SwiGLU), ``stages`` ring slots per
     warp (``stages - 1`` k-tiles in flight), ``splits`` K-splits across CTAs, ``tokens`` activation
     rows a ring slot holds (1, 2, 4 or 8: the most tokens it serves), ``pdl``: programmatic
-    dependent launch (the weight copies of the first slots start before the previous grid ends)."""
+    dependent launch (the weight copies of the first slots start before the previous grid ends),
+    ``cluster``: the ``splits`` CTAs of a row block form one thread-block cluster and meet in
+    distributed shared memory instead of the global split-K turnstile (2..8 splits)."""
 
     warps: int = 4
     tiles: int = 1
@@ -55,12 +59,14 @@ class GemvConfig:
     splits: int = 1
     tokens: int = MAX_M
     pdl: bool = False
+    cluster: bool = False
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this config cannot run ``epilogue``."""
         threads = 32 * self.warps
         if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
-                or self.tokens not in (1, 2, 4, 8) or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM):
+                or self.tokens not in (1, 2, 4, 8) or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM
+                or (self.cluster and not 2 <= self.splits <= 8)):
             raise ValueError(f"unsupported GEMV config {self}")
         if (epilogue.activation == "swiglu") != (self.tiles == 2):
             raise ValueError("swiglu needs tiles=2 (the gate and up halves of a 128-row group), and only swiglu")
@@ -72,8 +78,10 @@ class GemvConfig:
         return ng.TILE_BYTES + self.tokens * X_ROW
 
     def smem_bytes(self) -> int:
-        """Shared memory per CTA: the warps' rings, the reduced tile, 1 KB reserved by the system."""
-        return self.warps * self.stages * self.slot_bytes() + ng.ROWS * self.tiles * MAX_M * 4 + 1024 + 64
+        """Shared memory per CTA: the warps' rings, the reduced tile (twice with ``cluster``: the
+        CTA's own partial, read by its peers, and the cluster sums it owns), 1 KB reserved by the system."""
+        tile = ng.ROWS * self.tiles * MAX_M * 4
+        return self.warps * self.stages * self.slot_bytes() + tile * (2 if self.cluster else 1) + 1024 + 64
 
     def ctas_per_sm(self) -> int:
         """CTAs that fit one SM's shared memory."""
@@ -114,6 +122,15 @@ def _kernel_class():
             [Int32(dst_smem).ir_value(loc=loc, ip=ip), Int64(src_gmem).ir_value(loc=loc, ip=ip),
              Int32(src_bytes).ir_value(loc=loc, ip=ip)],
             "cp.async.cg.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
+        """The FP32 at shared address ``smem_addr`` of the cluster's CTA ``rank`` (``mapa`` +
+        ``ld.shared::cluster``)."""
+        return Float32(llvm.inline_asm(
+            T.f32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+            "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }", "=f,r,r",
+            has_side_effects=True, loc=loc, ip=ip))
 
     @dsl_user_op
     def mma_bf16_16816(a, b0, b1, c, *, loc=None, ip=None):
@@ -164,12 +181,14 @@ def _kernel_class():
                 ring: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
                 fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M], 16]
+                fsum: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M if self.cfg.cluster else 4], 16]
                 flag: cute.struct.MemRange[Int32, 4]
 
             self.shared_storage = SharedStorage
+            cluster = {"cluster": (1, self.cfg.splits, 1)} if self.cfg.cluster else {}
             self.kernel(x_ptr, tiles_ptr, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
                 grid=(n_pad // self.rows, self.cfg.splits, 1), block=[self.threads, 1, 1], stream=stream,
-                use_pdl=self.cfg.pdl,
+                use_pdl=self.cfg.pdl, **cluster,
                 # registers for as many CTAs as the shared memory holds; all of it as shared memory
                 min_blocks_per_mp=self.cfg.ctas_per_sm(), preferred_smem_carveout=100)
 
@@ -264,7 +283,9 @@ def _kernel_class():
                     part[16 * s + g + 8 * (j // 2), 2 * c + j % 2, warp] = acc[j, s]
             cute.arch.sync_threads()
             if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
-                self.store(storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows)
+                self.store(storage, tidx, bx, bz, mGs, mOut, mBias, mRes, m, n_out, n_rows)
+            if cutlass.const_expr(cfg.cluster):
+                cute.arch.cluster_wait()  # the peers have read this CTA's partial: its shared memory may go
 
         @cute.jit
         def issue_weights(self, ring_addr, w_src, kt, slot, lane):
@@ -293,8 +314,10 @@ def _kernel_class():
         @cute.jit
         def reduce(self, storage, tidx, bx, bz, ws_ptr, cnt_ptr):
             """Sum the warps' partials (fixed order) into ``fin [rows, 8]``; across K-splits through
-            the workspace and the per-row-block counter (the last CTA to arrive sums in split order).
-            Returns 1 in the CTA that holds the full sums (0 in the other CTAs of a split row block)."""
+            the workspace and the per-row-block counter (the last CTA to arrive sums in split order),
+            or with ``cluster`` into ``fsum``: each CTA the rows it owns, summed over the cluster's
+            ``fin`` in split order. Returns 1 in a CTA that holds full sums (0 in the other CTAs of a
+            turnstile-split row block)."""
             cfg = self.cfg
             fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
             flag = storage.flag.get_tensor(cute.make_layout(4))
@@ -311,7 +334,7 @@ def _kernel_class():
                     total = total + ring_f[(grp * cfg.tiles + t) * warp_floats + off]
                 vals[e] = total
             is_last = Int32(1)
-            if cutlass.const_expr(cfg.splits > 1):
+            if cutlass.const_expr(cfg.splits > 1 and not cfg.cluster):
                 stride = cute.arch.grid_dim()[0] * self.rows * MAX_M  # floats per split
                 mine = ws_ptr + Int64(bx * self.rows * MAX_M + tidx) * 4
                 ws = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=4),
@@ -344,13 +367,33 @@ def _kernel_class():
                 idx = tidx + e * self.threads
                 fin[idx // MAX_M, idx % MAX_M] = vals[e]
             cute.arch.sync_threads()
+            if cutlass.const_expr(cfg.cluster):
+                cute.arch.cluster_arrive()  # release: this CTA's partial is in its shared memory
+                cute.arch.cluster_wait()  # acquire: so are the peers'
+                fsum = storage.fsum.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+                fin_addr = storage.fin.data_ptr().toint()
+                for e in cutlass.range_constexpr(per_thread):
+                    idx = tidx + e * self.threads
+                    if self.owner(idx // MAX_M) == bz:
+                        total = ld_dsmem_f32(fin_addr + idx * 4, 0)
+                        for j in cutlass.range_constexpr(1, cfg.splits):
+                            total = total + ld_dsmem_f32(fin_addr + idx * 4, j)
+                        fsum[idx // MAX_M, idx % MAX_M] = total
+                cute.arch.cluster_arrive()  # done reading the peers (each waits for this before it exits)
+                cute.arch.sync_threads()
             return is_last
 
+        def owner(self, row):
+            """The cluster rank that sums and stores weight row ``row`` of the CTA's tile (with SwiGLU
+            the gate and up rows of an output column go together)."""
+            return (row % SWIGLU_GROUP) % self.cfg.splits
+
         @cute.jit
-        def store(self, storage, tidx, bx, mGs, mOut, mBias, mRes, m, n_out, n_rows):
-            """alpha, bias, activation, residual on ``fin``; bf16 stores (consecutive threads:
-            consecutive output columns)."""
-            fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+        def store(self, storage, tidx, bx, bz, mGs, mOut, mBias, mRes, m, n_out, n_rows):
+            """alpha, bias, activation, residual on the sums (``fin``, with ``cluster`` the owned rows
+            of ``fsum``); bf16 stores (consecutive threads: consecutive output columns)."""
+            sums = storage.fsum if self.cfg.cluster else storage.fin
+            fin = sums.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
             alpha = mGs[0] * 128.0  # the decode's 2^-7
             cols = SWIGLU_GROUP if self.swiglu else self.rows
             row0 = bx * self.rows
@@ -360,7 +403,10 @@ def _kernel_class():
                 tok = idx // cols
                 r = idx % cols
                 col = col0 + r
-                if tok < m and col < n_out:
+                mine = True
+                if cutlass.const_expr(self.cfg.cluster):
+                    mine = self.owner(r) == bz
+                if tok < m and col < n_out and mine:
                     v = fin[r, tok] * alpha
                     if cutlass.const_expr(self.epi.bias):
                         v = v + mBias[row0 + r].to(Float32)
@@ -431,7 +477,7 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ws = counters = None
-    if config.splits > 1:
+    if config.splits > 1 and not config.cluster:
         ctas = n_pad // (ng.ROWS * config.tiles)
         if ctas > ng.COUNTERS:
             raise ValueError(f"{ctas} split-K row blocks exceed the counter buffer ({ng.COUNTERS})")

@@ -1,0 +1,69 @@
+"""One launch of each NVFP4 kernel to profile, for Nsight Compute.
+
+Decode (default): the GEMV and the WGMMA W4A16 kernel at M = 1 on Llama-3-70B 57344x8192 and
+8192x8192 (``--gemv CFG`` per shape, ``warps,stages,splits``). Prefill (``--prefill NxKxM``): the
+W4A8 GEMM (on already quantized activations) and the fp8-block GEMM of the same shape, the
+kernel W4A8 is measured against.
+
+Run: ``ncu --clock-control none --section SpeedOfLight --section WarpStateStats
+--section ComputeWorkloadAnalysis -k regex:"Gemv|Gemm" python benchmarks/ncu_nvfp4.py [...]``.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantkit.formats import fp8, get_format  # noqa: E402
+from quantkit.kernels.epilogue import Epilogue  # noqa: E402
+from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
+
+
+def prepared(n: int, k: int) -> ng.Nvfp4Sm90Weight:
+    torch.manual_seed(0)
+    qw = get_format("nvfp4-w4a16").quantize_weight(torch.randn(n, k, device="cuda") * 0.05)
+    return ng.prepare(qw.data, qw.scale, qw.tensor_scale)
+
+
+def decode(specs: list[str]) -> None:
+    for (n, k), spec in zip(((57344, 8192), (8192, 8192)), specs):
+        w = prepared(n, k)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        warps, stages, splits = (int(v) for v in spec.split(","))
+        gcfg = gv.GemvConfig(warps, 1, stages, splits, tokens=1)
+        wcfg = ng.pick_config(1, w.row_exp.shape[0], k, Epilogue(), False)
+        ng.nvfp4_w4a16(x, w, config=gcfg)
+        ng.nvfp4_w4a16(x, w, config=wcfg)
+        torch.cuda.synchronize()
+        print(f"{n}x{k}: gemv {gcfg}, wgmma {wcfg}")
+
+
+def prefill(shape: str) -> None:
+    n, k, m = (int(v) for v in shape.split("x"))
+    w = prepared(n, k)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    xq, xs = nw8.quantize_activation(x)
+    nw8.nvfp4_w4a8_quantized(xq, xs, w)
+    xq8, xs8 = fp8.quantize(x, (1, 128))
+    wq8 = fp8.quantize(torch.randn(n, k, device="cuda").to(torch.bfloat16), (128, 128))
+    fbg.fp8_block_gemm(xq8, fbg.scales_for_tma(xs8), *wq8)
+    torch.cuda.synchronize()
+    print(f"{n}x{k} M={m}: w4a8 {ng.pick_config(m, w.row_exp.shape[0], k, Epilogue(), True)}, "
+          f"fp8-block {fbg.pick_config(m, n, k)}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemv", nargs="+", default=["8,2,1", "8,3,1"], help="warps,stages,splits per shape")
+    ap.add_argument("--prefill", metavar="NxKxM", help="profile W4A8 and fp8-block at this shape instead")
+    args = ap.parse_args()
+    prefill(args.prefill) if args.prefill else decode(args.gemv)
+
+
+if __name__ == "__main__":
+    main()
