@@ -311,6 +311,8 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0)  # PDL variant
+        # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory
+        assert "cvt.rn.bf16x2.f32" in text and "st.global.v4.b32" in text and "ld.local" not in text
     quant = ptx("act_quant")
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
@@ -422,7 +424,7 @@ def _epilogue_f64(acc, epi: Epilogue, bias, residual):
     return y
 
 
-def _gpu_case(m, n, k, epi, seed, mode, config=None):
+def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
     torch.manual_seed(seed)
     dev = "cuda"
     w = torch.randn(n, k, device=dev) * 0.05
@@ -434,7 +436,8 @@ def _gpu_case(m, n, k, epi, seed, mode, config=None):
     n_out = n // 2 if epi.activation == "swiglu" else n
     bias = torch.randn(n, device=dev).to(torch.bfloat16) if epi.bias else None
     res = torch.randn(m, n_out, device=dev).to(torch.bfloat16) if epi.residual else None
-    out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device=dev)
+    # out_offset elements in: an output buffer that is contiguous but not 16-byte aligned
+    out = torch.full((m * n_out + out_offset,), float("nan"), dtype=torch.bfloat16, device=dev)[out_offset:].view(m, n_out)
     from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
 
     fn = nw8.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
@@ -491,6 +494,20 @@ def stage_fits(config: ng.Config, w4a8: bool) -> bool:
     except ValueError:
         return False
     return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,m,n,config,out_offset", [
+    ("w4a8", 300, 1024, ng.Config(256, 2, 3, 1), 0),  # the staging tile fits only in two passes
+    ("w4a16", 37, 1004, None, 0),  # N not a multiple of 8: element stores
+    ("w4a8", 100, 1024, None, 1),  # output not 16-byte aligned: element stores
+])
+def test_gpu_output_staging(mode, m, n, config, out_offset):
+    """The epilogue's shared-memory staging and 16-byte stores, and their fallbacks."""
+    epi = Epilogue(bias=True, residual=True)
+    out, ref = _gpu_case(m, n, 2048, epi, seed=11, mode=mode, config=config, out_offset=out_offset)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
 @pytest.mark.gpu

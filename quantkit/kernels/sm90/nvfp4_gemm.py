@@ -246,6 +246,7 @@ class Config:
 
 
 _SMEM = 227 * 1024  # per CTA (sm90 opt-in maximum)
+STAGE_ROW = ROWS + 4  # floats per token row of the output staging tile (+4: no bank conflicts)
 _SMEM_RESERVE = 4096  # barriers and alignment padding beside the pipeline stages
 
 
@@ -377,6 +378,15 @@ def _kernel_class():
             f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
             "r,l,r", has_side_effects=True, loc=loc, ip=ip,
         )
+
+    @dsl_user_op
+    def st_global_bf16x8(addr, vals, *, loc=None, ip=None):
+        """One 16-byte global store at ``addr`` of 8 FP32 values rounded to bf16 (RNE), in order."""
+        llvm.inline_asm(
+            None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in vals],
+            "{ .reg .b32 a, b, c, d; cvt.rn.bf16x2.f32 a, $2, $1; cvt.rn.bf16x2.f32 b, $4, $3; "
+            "cvt.rn.bf16x2.f32 c, $6, $5; cvt.rn.bf16x2.f32 d, $8, $7; st.global.v4.b32 [$0], {a, b, c, d}; }",
+            "l,f,f,f,f,f,f,f,f", has_side_effects=True, loc=loc, ip=ip)
 
     @dsl_user_op
     def pow2(e, *, loc=None, ip=None):
@@ -705,31 +715,55 @@ def _kernel_class():
                 self.store(acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                            m, n_out, n_rows)
 
+        def staging(self):
+            """Output staging through the pipeline's shared memory (free once every warpgroup's
+            mainloop is done): per pass, each warpgroup's ``[tokens, 64]`` FP32 tile with rows
+            padded to ``STAGE_ROW`` floats (conflict-free fragment writes, 16-byte row reads).
+            Returns (tokens per pass, passes): the fewest passes whose tiles fit."""
+            room = self.cfg.stages * stage_bytes(self.cfg.bn, self.wgs, self.w4a8)
+            tokens = self.cfg.bn
+            while self.wgs * tokens * STAGE_ROW * 4 > room:
+                tokens //= 2
+            return tokens, self.cfg.bn // tokens
+
         @cute.jit
         def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                   m, n_out, n_rows):
-            """alpha, bias, activation, residual on the FP32 tile, then bf16 stores."""
+            """alpha, bias, activation (incl. SwiGLU) on the FP32 tile in registers; then, through
+            shared memory, transposed to the output's row order: each thread adds the residual to
+            8 consecutive outputs of a token and writes them with one 16-byte store (element stores
+            where ``N`` or the output address is not 16-byte aligned)."""
             cfg = self.cfg
             coord = thr_mma.partition_C(cute.make_identity_tensor((ROWS, cfg.bn)))
             row0 = rb * ROWS
             tok0 = by * cfg.bn
-            gs = mGs[0]
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                rr, cc = coord[i]
-                mm = tok0 + cc
-                alpha = gs * 128.0  # W4A16: the decode's 2^-7
+            # Fragment element i = (column pair d, row half h, column group j) = (i % 2, i // 2 % 2, i // 4):
+            # a thread's values span 2 weight rows and bn / 4 tokens; load each row's and token's factors once.
+            alpha_row = cute.make_rmem_tensor((2,), Float32)
+            bias_row = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                rr = coord[2 * h][0]
+                alpha_row[h] = mGs[0] * 128.0  # W4A16: the decode's 2^-7
                 if cutlass.const_expr(self.w4a8):
-                    c_row = mExp[row0 + rr]
-                    xs = Float32(0.0)
-                    if mm < m:
-                        xs = mXs[mm]
-                    alpha = gs * xs * pow2(c_row)
-                v = acc[i] * alpha
+                    alpha_row[h] = mGs[0] * pow2(mExp[row0 + rr])
+                bias_row[h] = Float32(0.0)
                 if cutlass.const_expr(self.epi.bias):
                     if row0 + rr < n_rows:
-                        v = v + mBias[row0 + rr].to(Float32)
+                        bias_row[h] = mBias[row0 + rr].to(Float32)
+            xs_tok = cute.make_rmem_tensor((self.acc_n // 2,), Float32)
+            if cutlass.const_expr(self.w4a8):
+                for t in cutlass.range_constexpr(self.acc_n // 2):
+                    tok = tok0 + coord[t % 2 + 4 * (t // 2)][1]
+                    xs_tok[t] = Float32(0.0)
+                    if tok < m:
+                        xs_tok[t] = mXs[tok]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                v = acc[i] * alpha_row[i // 2 % 2]
+                if cutlass.const_expr(self.w4a8):
+                    v = v * xs_tok[i % 2 + 2 * (i // 4)]
+                if cutlass.const_expr(self.epi.bias):
+                    v = v + bias_row[i // 2 % 2]
                 acc[i] = ops.activate(v, self.epi.activation)
-            out = acc
             n_base = row0
             active = True
             if cutlass.const_expr(self.swiglu):
@@ -744,16 +778,42 @@ def _kernel_class():
                         acc[i] = g / (1.0 + cute.math.exp(-g)) * xchg[i, ct]
                 n_base = bx * SWIGLU_GROUP
                 active = wg == 0
-            if active:
-                for i in cutlass.range_constexpr(cute.size(out)):
-                    rr, cc = coord[i]
-                    mm = tok0 + cc
-                    nn = n_base + rr
-                    if mm < m and nn < n_out:
-                        v = out[i]
-                        if cutlass.const_expr(self.epi.residual):
-                            v = v + mRes[mm, nn].to(Float32)
-                        mOut[mm, nn] = v.to(cutlass.BFloat16)
+
+            tokens, passes = self.staging()
+            stage = cute.make_tensor(cute.recast_ptr(storage.wbuf.data_ptr(), dtype=Float32), cute.make_layout(
+                ((8, 8), tokens, self.wgs), stride=((1, 8), STAGE_ROW, tokens * STAGE_ROW)))  # ((row, row / 8), token, wg)
+            out_addr = mOut.iterator.toint()
+            aligned = n_out % 8 == 0 and out_addr % 16 == 0
+            per_pass = cute.size(acc) // passes
+            epi_bar.arrive_and_wait()  # every warpgroup's mainloop is done: the pipeline memory is free
+            for p in cutlass.range_constexpr(passes):
+                if active:
+                    for i in cutlass.range_constexpr(p * per_pass, (p + 1) * per_pass):
+                        rr, cc = coord[i]
+                        stage[(rr % 8, rr // 8), cc - p * tokens, wg] = acc[i]
+                epi_bar.arrive_and_wait()
+                if active:
+                    for c in cutlass.range_constexpr(-(-tokens * 8 // 128)):
+                        chunk = ct + 128 * c
+                        tok_s = chunk // 8
+                        mm = tok0 + p * tokens + tok_s
+                        nn = n_base + 8 * (chunk % 8)
+                        if chunk < tokens * 8 and mm < m and nn < n_out:
+                            row8 = cute.make_rmem_tensor((8,), Float32)
+                            cute.autovec_copy(stage[(None, chunk % 8), tok_s, wg], row8)
+                            full = nn + 8 <= n_out
+                            if cutlass.const_expr(self.epi.residual):
+                                for e in cutlass.range_constexpr(8):
+                                    if full or nn + e < n_out:
+                                        row8[e] = row8[e] + mRes[mm, nn + e].to(Float32)
+                            if aligned and full:
+                                st_global_bf16x8(out_addr + (Int64(mm) * n_out + nn) * 2, [row8[e] for e in range(8)])
+                            else:
+                                for e in cutlass.range_constexpr(8):
+                                    if nn + e < n_out:
+                                        mOut[mm, nn + e] = row8[e].to(cutlass.BFloat16)
+                if cutlass.const_expr(p + 1 < passes):
+                    epi_bar.arrive_and_wait()  # the pass is stored before the next one overwrites it
 
     return Nvfp4GemmSm90
 
