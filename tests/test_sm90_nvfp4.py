@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,6 +250,18 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert big.bn == 256 and big.splits == 1
     with pytest.raises(ValueError, match="swiglu needs 2 warpgroups"):
         ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"), w4a8=False)
+
+
+def test_w4a8_tile_rule_reproduces_the_h200_sweep():
+    """The W4A8 prefill tile rule picks, at every point of the recorded H200 sweep (four 8B
+    shapes, M = 384 / 1024 / 4096, every tile), a tile within 3 % of the fastest measured."""
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/nvfp4_w4a8_tune_v6_h200_2026-12-03.json").read_text())
+    assert len(rows) == 12
+    for row in rows:
+        n, k = (int(v) for v in row["shape"].split("x"))
+        picked = ng.pick_config(row["m"], n, k, Epilogue(), True)
+        assert picked.splits == 1
+        assert row["all"][str(picked)] <= 1.03 * row["best_us"], (row["shape"], row["m"], picked)
 
 
 def test_configs_fit_shared_memory():

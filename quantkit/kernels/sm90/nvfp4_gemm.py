@@ -260,11 +260,13 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T`` (rules fitted to the H200 sweep in
     ``benchmarks/notes/nvfp4.md``).
 
-    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: 256 when that still
-      gives ~one CTA per SM).
+    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: see below).
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights, and for large tiles when 128-row
       CTAs still fill the GPU; else 1.
+    * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
+      measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
+      single-wave cost when the grid fits one wave (ties: the larger tile).
     * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
       0.5 (64) CTAs per SM and each split keeps at least 4 stages.
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill half
@@ -275,14 +277,16 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         bn = next(b for b in (8, 16, 32) if m <= b)
     elif m <= 64:
         bn = 64
+    elif w4a8:
+        bn, wgs = w4a8_tile(m, rows, swiglu, num_sms)
     else:
-        bn = 256 if (w4a8 and rows * -(-m // 256) >= 0.9 * num_sms) else 128
+        bn = 128
     m_tiles = -(-m // bn)
     if bn <= 32:
         wgs = 2 if (swiglu or bn >= 16) else 1
     elif bn == 64:
         wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
-    else:
+    elif not w4a8:
         wgs = 2 if (swiglu or (rows // 2) * m_tiles >= 0.9 * num_sms) else 1
     ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
@@ -295,6 +299,25 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     else:
         stages = max(3, min(8, (_SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE) // stage_bytes(bn, wgs, w4a8)))
     return Config(bn, wgs, stages, splits)
+
+
+# Time of one W4A8 prefill CTA per (tokens, warpgroups) tile, relative to a 256x128 (tokens x
+# weight rows) CTA in a full GPU: (in a grid of many waves, in a grid of at most one wave).
+# H200 sweep after the v6 epilogue (benchmarks/notes/nvfp4.md, M = 384 / 1024 / 4096).
+W4A8_TILE_COST = {(256, 2): (1.0, 0.87), (256, 1): (0.59, 0.77), (128, 2): (0.67, 0.68), (128, 1): (0.41, 0.43)}
+
+
+def w4a8_tile(m: int, rows: int, swiglu: bool, num_sms: int) -> tuple[int, int]:
+    """(tokens, warpgroups) of a W4A8 prefill CTA for ``m`` tokens and ``rows`` 64-row weight
+    blocks: the least ``waves x cost`` by :data:`W4A8_TILE_COST` (SwiGLU: 2 warpgroups)."""
+    def estimate(tile):
+        bn, wgs = tile
+        ctas = (rows // wgs) * -(-m // bn)
+        full, one_wave = W4A8_TILE_COST[tile]
+        return one_wave if ctas <= num_sms else -(-ctas // num_sms) * full
+
+    tiles = [t for t in W4A8_TILE_COST if t[1] == 2 or not swiglu]  # larger tiles first: they win ties
+    return min(tiles, key=estimate)
 
 
 # ---------------------------------------------------------------------------------------- kernel
