@@ -47,13 +47,13 @@ def layer(k: int, n: int, seed: int = 0) -> torch.nn.Linear:
 
 
 def test_crossover_rule():
-    """W4A8 from M = 256 for N' >= 8192, from M = 384 otherwise (benchmarks/notes/w4a8_format.md)."""
-    for n in (128, 4096, 6144, 8191, 8192, 57344):
+    """W4A8 from M = 256 for N' >= 6144, from M = 384 otherwise (benchmarks/notes/w4a8_format.md)."""
+    for n in (128, 4096, 6143, 6144, 8192, 57344):
         for m in (1, 64, 255, 256, 383, 384, 1024, 4096):
-            assert w4a8.use_w4a8(m, n) == (m >= 384 or (m >= 256 and n >= 8192)), (m, n)
+            assert w4a8.use_w4a8(m, n) == (m >= 384 or (m >= 256 and n >= 6144)), (m, n)
 
 
-@pytest.mark.parametrize("m,n,w4a8_path", [(255, 8192, False), (256, 8192, True), (383, 128, False), (384, 128, True)])
+@pytest.mark.parametrize("m,n,w4a8_path", [(255, 6144, False), (256, 6144, True), (383, 128, False), (384, 128, True)])
 def test_reference_is_w4a16_below_and_w4a8_above_the_crossover(m, n, w4a8_path):
     k = 64
     lin = layer(k, n, seed=m)

@@ -39,10 +39,10 @@ BLOCK = 16
 
 def use_w4a8(m: int, n: int) -> bool:
     """Whether ``nvfp4-w4a8`` computes the W4A8 function for ``M = m`` tokens and ``N' = n`` weight
-    rows (else W4A16): from M = 256 when N' >= 8192, from M = 384 otherwise — the crossover of
-    W4A8 (incl. its activation quantization) and W4A16 measured on the H200 at M = 128..2048
+    rows (else W4A16): from M = 256 when N' >= 6144, from M = 384 otherwise — the crossover of
+    W4A8 (incl. its activation quantization) and W4A16 measured on the H200 at M = 128..1024
     (``benchmarks/notes/w4a8_format.md``)."""
-    return m >= 384 or (m >= 256 and n >= 8192)
+    return m >= 384 or (m >= 256 and n >= 6144)
 
 
 def row_exponents(scale: torch.Tensor) -> torch.Tensor:
