@@ -1,9 +1,10 @@
-"""Host time of one eager W4A16 launch (decode, M = 1): the GEMV through CuTeDSL's tvm-ffi
-executor vs its default Python executor, the WGMMA kernel (default executor) and bf16 ``F.linear``.
+"""Host time of one eager NVFP4 launch on 4096x4096, each kernel through CuTeDSL's tvm-ffi executor
+and its default Python executor: the W4A16 decode GEMV and WGMMA kernel at M = 1, W4A8 (activation
+quantization + WGMMA kernel) at M = 16; bf16 ``F.linear`` for scale.
 
 Run: ``python benchmarks/host_launch.py [--calls N]``. Per contender: ``N`` back-to-back eager calls
 after a warm-up; "host µs" is the enqueue time per call (perf_counter around the loop, no
-synchronization inside), "total µs" includes draining the GPU queue. The GEMV's outputs through
+synchronization inside), "total µs" includes draining the GPU queue. Each kernel's outputs through
 both executors must be bit-identical (same kernel, same inputs).
 """
 import argparse
@@ -19,6 +20,7 @@ from quantkit.formats import get_format  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
+from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 
 
 def host_us(fn, calls: int) -> tuple[float, float]:
@@ -44,23 +46,26 @@ def main():
     qw = get_format("nvfp4-w4a16").quantize_weight(torch.randn(n, k, device="cuda") * 0.05)
     w = ng.prepare(qw.data, qw.scale, qw.tensor_scale)
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    x16 = torch.randn(16, k, device="cuda").to(torch.bfloat16)
     wb = torch.randn(n, k, device="cuda").to(torch.bfloat16)
     wgmma = ng.pick_config(1, w.row_exp.shape[0], k, Epilogue(), False)
+    kernels = {"gemv": lambda: ng.nvfp4_w4a16(x, w), "wgmma": lambda: ng.nvfp4_w4a16(x, w, config=wgmma),
+               "w4a8 M=16": lambda: nw8.nvfp4_w4a8(x16, w)}
     outs, rows = {}, []
 
-    def gemv(tvm_ffi):
+    def through(name, tvm_ffi):
         def run():
             gv.USE_TVM_FFI = tvm_ffi
-            outs[tvm_ffi] = ng.nvfp4_w4a16(x, w)
+            outs[name, tvm_ffi] = kernels[name]()
         return run
 
-    for label, fn in (("gemv tvm-ffi", gemv(True)), ("gemv cute executor", gemv(False)),
-                      ("wgmma cute executor", lambda: ng.nvfp4_w4a16(x, w, config=wgmma)),
-                      ("bf16 F.linear", lambda: torch.nn.functional.linear(x, wb))):
-        rows.append((label, *host_us(fn, args.calls)))
+    for name in kernels:
+        for tvm_ffi in (True, False):
+            rows.append((f"{name} {'tvm-ffi' if tvm_ffi else 'cute executor'}", *host_us(through(name, tvm_ffi), args.calls)))
+    rows.append(("bf16 F.linear", *host_us(lambda: torch.nn.functional.linear(x, wb), args.calls)))
     gv.USE_TVM_FFI = True
-    print(f"tvm-ffi available: {gv.tvm_ffi_available()}; GEMV outputs bit-identical across executors: "
-          f"{torch.equal(outs[True], outs[False])}")
+    same = {name: torch.equal(outs[name, True], outs[name, False]) for name in kernels}
+    print(f"tvm-ffi available: {gv.tvm_ffi_available()}; outputs bit-identical across executors: {same}")
     print("contender | host µs/call | total µs/call")
     for label, h, t in rows:
         print(f"{label} | {h:.1f} | {t:.1f}")

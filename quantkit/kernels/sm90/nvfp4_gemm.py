@@ -841,20 +841,22 @@ def _kernel_class():
     return Nvfp4GemmSm90
 
 
-def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: bool = False,
+def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: bool = False, tvm_ffi: bool = False,
                  arch: str | None = None, options: str = ""):
     """The compiled kernel for one (config, epilogue, mode, bias dtype), through :mod:`..cache`.
 
     The executor takes data pointers ``(x, tiles, row_exp, x_scale, tensor_scale, out, bias,
     residual, workspace, counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and a
-    ``cuda.CUstream``; ``M`` (and N, K) are runtime values."""
+    ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, the stream
+    handle as an int); ``M`` (and N, K) are runtime values."""
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
     arch = pin_arch(arch)
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32)
-    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32)
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32, tvm_ffi)
+    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
     return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
                           BK, make_fake_stream(), arch=arch, options=options)
 
@@ -881,13 +883,19 @@ def counter_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
+          config: Config | None, tvm_ffi: bool):
+    """(config, executor) of one WGMMA launch shape, cached: the per-call host path is a dict lookup."""
+    config = config or pick_config(m, n_pad, k, epilogue, w4a8, torch.cuda.get_device_properties(device).multi_processor_count)
+    return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
+
+
 def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
                 config, out: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
     FP32 per-token ``x_scale [M]``); checks shapes, picks the kernel (W4A16: the decode GEMV for
     :func:`use_gemv` token counts or a ``GemvConfig``) and its config, allocates split-K scratch."""
-    import cuda.bindings.driver as cuda
-
     m, k = x_arg.shape
     n_pad = w.row_exp.shape[0]
     n_out = w.n // 2 if epilogue.activation == "swiglu" else w.n
@@ -913,8 +921,8 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
 
     if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
-    num_sms = torch.cuda.get_device_properties(x_arg.device).multi_processor_count
-    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
+    tvm_ffi = nvfp4_gemv.USE_TVM_FFI and nvfp4_gemv.tvm_ffi_available()
+    config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)
     ws = counters = None
     if config.splits > 1:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
@@ -923,9 +931,12 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,
                          device=x_arg.device)
         counters = counter_buffer(x_arg.device)
-    fn = compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    stream = cuda.CUstream(torch.cuda.current_stream(x_arg.device).cuda_stream)
+    stream = torch.cuda.current_stream(x_arg.device).cuda_stream
+    if not tvm_ffi:
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(stream)
     fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
        ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, stream)
     return out

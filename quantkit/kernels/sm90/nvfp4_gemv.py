@@ -452,7 +452,7 @@ def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
 
 
 # ---------------------------------------------------------------------------------------- host
-USE_TVM_FFI = True  # launch through tvm-ffi executors where apache-tvm-ffi is installed
+USE_TVM_FFI = True  # sm90 NVFP4 kernels launch through tvm-ffi executors where apache-tvm-ffi is installed
 
 
 @functools.lru_cache(maxsize=4096)

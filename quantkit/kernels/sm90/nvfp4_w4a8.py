@@ -16,6 +16,7 @@ import torch
 
 from quantkit.formats.w4a8 import use_w4a8
 from quantkit.kernels.epilogue import Epilogue
+from quantkit.kernels.sm90 import nvfp4_gemv
 from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, nvfp4_w4a16, output_shape,
                                               weight_from_tensors)
 
@@ -100,9 +101,10 @@ def _build_act_quant():
     return ActQuantW4A8
 
 
-def compile_act_quant(arch: str | None = None, options: str = ""):
+def compile_act_quant(tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """The compiled activation-quantization kernel (through :mod:`..cache`). Its executor takes
-    data pointers ``(x bf16 [M, K], xq [M, K] E4M3, s FP32 [M])``, ``M``, ``K`` and a stream."""
+    data pointers ``(x bf16 [M, K], xq [M, K] E4M3, s FP32 [M])``, ``M``, ``K`` and a stream (a
+    ``cuda.CUstream``; with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, an int)."""
     global _KERNEL
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
@@ -112,7 +114,8 @@ def compile_act_quant(arch: str | None = None, options: str = ""):
     with _lock:
         if _KERNEL is None:
             _KERNEL = _build_act_quant()
-    return compile_kernel(("sm90.nvfp4_w4a8.act_quant",), _KERNEL(), 0, 0, 0, 1, 128, make_fake_stream(),
+    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
+    return compile_kernel(("sm90.nvfp4_w4a8.act_quant", tvm_ffi), _KERNEL(), 0, 0, 0, 1, 128, make_fake_stream(),
                           arch=arch, options=options)
 
 
@@ -120,8 +123,6 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``x [M, K]`` (K a multiple of 16) -> (E4M3 ``xq [M, K]`` in the GEMM's permuted K
     order, FP32 ``s [M]``): :func:`quantkit.formats.w4a8.quantize_activation` of
     ``x[:, w4a8_k_permutation(K)]``, on the GPU."""
-    import cuda.bindings.driver as cuda
-
     m, k = x.shape
     if x.dtype != torch.bfloat16 or k % GROUP:
         raise ValueError(f"expected bf16 x[M, K] with K % {GROUP} == 0, got {x.dtype} {tuple(x.shape)}")
@@ -129,8 +130,13 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-        compile_act_quant()(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, stream)
+        tvm_ffi = nvfp4_gemv.USE_TVM_FFI and nvfp4_gemv.tvm_ffi_available()
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if not tvm_ffi:
+            import cuda.bindings.driver as cuda
+
+            stream = cuda.CUstream(stream)
+        compile_act_quant(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, stream)
     return xq, s
 
 
