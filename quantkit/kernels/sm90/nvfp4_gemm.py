@@ -32,8 +32,11 @@ WGMMA, and wait only for the WGMMA that last read the registers they overwrite n
 but the k-loop branches between WGMMAs (ptxas would serialize them). Split-K across CTAs
 (``grid.z``) for decode grids: each CTA writes its FP32 partial tile, the last to arrive
 (per-tile counter, reset to 0 by it) loads all partials at once and sums them in split order
-(deterministic), then runs the epilogue (alpha, bias, activation incl. interleaved SwiGLU,
-residual) from registers.
+(deterministic), then runs the epilogue: alpha, bias and activation (incl. interleaved SwiGLU)
+in registers, then the tile goes through the drained pipeline's shared memory, transposed to
+the output's row order, so each thread adds the residual to 8 consecutive outputs and writes
+them with one 16-byte store. Host launches go through CuTeDSL's tvm-ffi executors where
+apache-tvm-ffi is installed (:data:`.nvfp4_gemv.USE_TVM_FFI`).
 """
 import functools
 import math
