@@ -426,6 +426,7 @@ def _kernel_class():
     return Nvfp4GemvSm90
 
 
+@functools.cache
 def tvm_ffi_available() -> bool:
     """Whether apache-tvm-ffi is importable (CuTeDSL's ``--enable-tvm-ffi`` executors need it)."""
     return importlib.util.find_spec("tvm_ffi") is not None
