@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantkit.formats import get_format, w4a8  # noqa: E402
 from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
+from quantkit.kernels import cache as kcache  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
@@ -169,7 +170,7 @@ def run_check(fh, gemv_only: bool = False) -> bool:
             good = unwritten == 0 and err < max(4e-3, 2 * floor)
             shown = cfg or f"default route {gv.pick_gemv_config(m, -(-n // 128) * 128, k, epi)}"
             log(f"CHECK {'PASS' if good else 'FAIL'} gemv M={m} N={n} K={k} {epi} {shown}: rel_err={err:.2e} "
-                f"(bf16 floor {floor:.1e}) unwritten={unwritten} tvm_ffi={gv.USE_TVM_FFI and gv.tvm_ffi_available()}",
+                f"(bf16 floor {floor:.1e}) unwritten={unwritten} tvm_ffi={kcache.use_tvm_ffi()}",
                 fh)
             ok &= good
         except Exception:

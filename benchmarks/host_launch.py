@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantkit.formats import get_format  # noqa: E402
+from quantkit.kernels import cache as kcache  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
-from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main():
 
     def through(name, tvm_ffi):
         def run():
-            gv.USE_TVM_FFI = tvm_ffi
+            kcache.USE_TVM_FFI = tvm_ffi
             outs[name, tvm_ffi] = kernels[name]()
         return run
 
@@ -63,9 +63,9 @@ def main():
         for tvm_ffi in (True, False):
             rows.append((f"{name} {'tvm-ffi' if tvm_ffi else 'cute executor'}", *host_us(through(name, tvm_ffi), args.calls)))
     rows.append(("bf16 F.linear", *host_us(lambda: torch.nn.functional.linear(x, wb), args.calls)))
-    gv.USE_TVM_FFI = True
+    kcache.USE_TVM_FFI = True
     same = {name: torch.equal(outs[name, True], outs[name, False]) for name in kernels}
-    print(f"tvm-ffi available: {gv.tvm_ffi_available()}; outputs bit-identical across executors: {same}")
+    print(f"tvm-ffi available: {kcache.tvm_ffi_available()}; outputs bit-identical across executors: {same}")
     print("contender | host µs/call | total µs/call")
     for label, h, t in rows:
         print(f"{label} | {h:.1f} | {t:.1f}")

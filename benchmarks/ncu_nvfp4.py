@@ -62,7 +62,10 @@ def main():
     ap.add_argument("--gemv", nargs="+", default=["8,2,1", "8,3,1"], help="warps,stages,splits per shape")
     ap.add_argument("--prefill", metavar="NxKxM", help="profile W4A8 and fp8-block at this shape instead")
     args = ap.parse_args()
-    prefill(args.prefill) if args.prefill else decode(args.gemv)
+    if args.prefill:
+        prefill(args.prefill)
+    else:
+        decode(args.gemv)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ but the k-loop branches between WGMMAs (ptxas would serialize them). Split-K acr
 in registers, then the tile goes through the drained pipeline's shared memory, transposed to
 the output's row order, so each thread adds the residual to 8 consecutive outputs and writes
 them with one 16-byte store. Host launches go through CuTeDSL's tvm-ffi executors where
-apache-tvm-ffi is installed (:data:`.nvfp4_gemv.USE_TVM_FFI`).
+apache-tvm-ffi is installed (:func:`quantkit.kernels.cache.use_tvm_ffi`).
 """
 import functools
 import math
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 
 BK = 128  # K per pipeline stage
@@ -858,10 +859,9 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32)
-    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32, tvm_ffi)
-    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32)
     return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
-                          BK, make_fake_stream(), arch=arch, options=options)
+                          BK, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 # ---------------------------------------------------------------------------------------- host
@@ -924,7 +924,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
 
     if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
-    tvm_ffi = nvfp4_gemv.USE_TVM_FFI and nvfp4_gemv.tvm_ffi_available()
+    tvm_ffi = use_tvm_ffi()
     config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)
     ws = counters = None
     if config.splits > 1:
@@ -935,11 +935,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
                          device=x_arg.device)
         counters = counter_buffer(x_arg.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    stream = torch.cuda.current_stream(x_arg.device).cuda_stream
-    if not tvm_ffi:
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(stream)
+    stream = launch_stream(x_arg.device, tvm_ffi)
     fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
        ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, stream)
     return out

@@ -31,11 +31,11 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
 """
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 from quantkit.kernels.sm90 import nvfp4_gemm as ng
 
@@ -426,12 +426,6 @@ def _kernel_class():
     return Nvfp4GemvSm90
 
 
-@functools.cache
-def tvm_ffi_available() -> bool:
-    """Whether apache-tvm-ffi is importable (CuTeDSL's ``--enable-tvm-ffi`` executors need it)."""
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
 def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = False, tvm_ffi: bool = False,
                  arch: str | None = None, options: str = ""):
     """The compiled GEMV for one (config, epilogue, bias dtype), through :mod:`..cache`. The
@@ -445,17 +439,13 @@ def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, bias_fp32)
-    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32, tvm_ffi)
+    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32)
     n_out = ng.ROW_PAD // (2 if epilogue.activation == "swiglu" else 1)
-    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
     return compile_kernel(key, kernel, *([0] * 8), 1, ng.ROW_PAD, n_out, ng.BK, make_fake_stream(), arch=arch,
-                          options=options)
+                          options=options, tvm_ffi=tvm_ffi)
 
 
 # ---------------------------------------------------------------------------------------- host
-USE_TVM_FFI = True  # sm90 NVFP4 kernels launch through tvm-ffi executors where apache-tvm-ffi is installed
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens: int, n_pad: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
           config: GemvConfig | None, tvm_ffi: bool):
@@ -476,7 +466,7 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     if config is not None and m > config.tokens:
         raise ValueError(f"{config} serves at most {config.tokens} tokens, got {m}")
     n_pad = w.row_exp.shape[0]
-    tvm_ffi = USE_TVM_FFI and tvm_ffi_available()
+    tvm_ffi = use_tvm_ffi()
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ws = counters = None
@@ -486,11 +476,7 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
             raise ValueError(f"{ctas} split-K row blocks exceed the counter buffer ({ng.COUNTERS})")
         ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
         counters = ng.counter_buffer(x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    if not tvm_ffi:
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(stream)
+    stream = launch_stream(x.device, tvm_ffi)
     fn(x.data_ptr(), w.tiles.data_ptr(), w.tensor_scale.data_ptr(), out.data_ptr(),
        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
        0 if ws is None else ws.data_ptr(), 0 if counters is None else counters.data_ptr(), m, n_pad, out.shape[1], k,

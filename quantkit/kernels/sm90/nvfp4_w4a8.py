@@ -16,7 +16,7 @@ import torch
 
 from quantkit.formats.w4a8 import use_w4a8
 from quantkit.kernels.epilogue import Epilogue
-from quantkit.kernels.sm90 import nvfp4_gemv
+from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, nvfp4_w4a16, output_shape,
                                               weight_from_tensors)
 
@@ -114,9 +114,8 @@ def compile_act_quant(tvm_ffi: bool = False, arch: str | None = None, options: s
     with _lock:
         if _KERNEL is None:
             _KERNEL = _build_act_quant()
-    options = f"{options} --enable-tvm-ffi".strip() if tvm_ffi else options
-    return compile_kernel(("sm90.nvfp4_w4a8.act_quant", tvm_ffi), _KERNEL(), 0, 0, 0, 1, 128, make_fake_stream(),
-                          arch=arch, options=options)
+    return compile_kernel(("sm90.nvfp4_w4a8.act_quant",), _KERNEL(), 0, 0, 0, 1, 128, make_fake_stream(),
+                          arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,13 +129,8 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        tvm_ffi = nvfp4_gemv.USE_TVM_FFI and nvfp4_gemv.tvm_ffi_available()
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        if not tvm_ffi:
-            import cuda.bindings.driver as cuda
-
-            stream = cuda.CUstream(stream)
-        compile_act_quant(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, stream)
+        tvm_ffi = use_tvm_ffi()
+        compile_act_quant(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, launch_stream(x.device, tvm_ffi))
     return xq, s
 
 
