@@ -34,6 +34,8 @@ CANDIDATES = [
     fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
 TUNE_M = (1, 16, 64, 128, 512, 4096)
+# Rows whose bias+SiLU(+requant) epilogues are timed against the bare GEMM.
+EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
 # Same-run A/B of the deferred epilogue on the large-M configs of the dispatch table (--ab-defer).
 DEFER_AB = [c for cfg in (fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=4),
                           fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4))
@@ -123,6 +125,8 @@ def main() -> None:
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--ab-defer", action="store_true",
                         help="with --tune-rows: time DEFER_AB instead, and stop after those rows")
+    parser.add_argument("--ab-epilogue-warps", action="store_true",
+                        help="only the epilogue rows, each epilogue with and without TileConfig.epilogue_warps")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
@@ -154,6 +158,8 @@ def main() -> None:
     rows = SQUARE + DSV3 + LLAMA
     if args.ab_defer:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
+    if args.ab_epilogue_warps:
+        rows = [(n, k, m) for n, k, m in rows if (m, n, k) in EPILOGUE_ROWS]
     for n, k, m in rows:
         prob = Problem(m, n, k, gen)
         if args.tune_rows is not None and m >= args.tune_rows:
@@ -178,21 +184,28 @@ def main() -> None:
         results["rows"].append(row)
         print(f"M={m:5d} N={n:6d} K={k:6d} {cfg}: ours {t_ours:8.1f} us {tf(t_ours):7.1f} TF | bf16 {tf(t_bf16):7.1f} TF"
               f" | scaled_mm {tf(t_smm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16 x{t_smm / t_ours:.2f} smm | err {err:.1e}", flush=True)
-        if (m, n, k) in [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (16, 4096, 4096)]:
+        if (m, n, k) in EPILOGUE_ROWS:
+            # Each epilogue against the bare GEMM in the dispatch table's config (t_ours).
             epi = Epilogue(bias=True, activation="silu", requant="fp8-block")
             bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
             picked = fbg.pick_config(m, n, k, epi)
-            for epi_cfg in (picked, replace(picked, defer_epilogue=not picked.defer_epilogue)) if args.ab_defer else (picked,):
+            variants = (picked,)
+            if args.ab_defer:
+                variants = (picked, replace(picked, defer_epilogue=not picked.defer_epilogue))
+            if args.ab_epilogue_warps and picked.tile_m == picked.tile_n == 128:
+                variants = (replace(picked, epilogue_warps=False), replace(picked, epilogue_warps=True))
+            for epi_cfg in variants:
                 t_epi = prob.ours(epi_cfg, epi, bias)
                 t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
-                t_bare = prob.ours(epi_cfg)
-                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_bare, bias_silu_us=t_silu,
-                                                bias_silu_requant_us=t_epi))
+                t_same = prob.ours(epi_cfg)  # the bare GEMM in the epilogue's config
+                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_ours, bare_same_cfg_us=t_same,
+                                                bias_silu_us=t_silu, bias_silu_requant_us=t_epi))
                 print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
-                      f" bare {t_bare:8.1f} us: x{t_epi / t_bare:.3f}, x{t_silu / t_bare:.3f}", flush=True)
+                      f" bare {t_ours:8.1f} us (same config {t_same:8.1f}): x{t_epi / t_ours:.3f}, x{t_silu / t_ours:.3f}",
+                      flush=True)
         del prob
 
-    for m, k in [] if args.ab_defer else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
+    for m, k in [] if args.ab_defer or args.ab_epilogue_warps else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):
@@ -206,10 +219,10 @@ def main() -> None:
     for r in results["rows"]:
         print(f"| {r['m']} | {r['n']} | {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['ours_tflops']:.0f} | {r['bf16_tflops']:.0f} "
               f"| {r['scaled_mm_tflops']:.0f} | {r['bf16_us'] / r['ours_us']:.2f} | {r['scaled_mm_us'] / r['ours_us']:.2f} |")
-    print("\n| M, N, K | config | bare µs | bias+silu µs (x) | bias+silu+requant µs (x) |")
-    print("|---|---|---|---|---|")
+    print("\n| M, N, K | config | bare µs (dispatch config) | bare µs (this config) | bias+silu µs (x) | bias+silu+requant µs (x) |")
+    print("|---|---|---|---|---|---|")
     for r in results["epilogue"]:
-        print(f"| {r['m']}, {r['n']}, {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['bare_us']:.1f} "
+        print(f"| {r['m']}, {r['n']}, {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['bare_us']:.1f} | {r['bare_same_cfg_us']:.1f} "
               f"| {r['bias_silu_us']:.1f} ({r['bias_silu_us'] / r['bare_us']:.2f}) "
               f"| {r['bias_silu_requant_us']:.1f} ({r['bias_silu_requant_us'] / r['bare_us']:.2f}) |")
     if args.out:

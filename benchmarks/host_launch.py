@@ -1,6 +1,7 @@
-"""Host time of one eager NVFP4 launch on 4096x4096, each kernel through CuTeDSL's tvm-ffi executor
-and its default Python executor: the W4A16 decode GEMV and WGMMA kernel at M = 1, W4A8 (activation
-quantization + WGMMA kernel) at M = 16; bf16 ``F.linear`` for scale.
+"""Host time of one eager launch on 4096x4096, each kernel through CuTeDSL's tvm-ffi executor
+and its default Python executor: the NVFP4 W4A16 decode GEMV and WGMMA kernel at M = 1, W4A8
+(activation quantization + WGMMA kernel) at M = 16, fp8-block (activation quantization + GEMM) at
+M = 1 and 16; bf16 ``F.linear`` for scale.
 
 Run: ``python benchmarks/host_launch.py [--calls N]``. Per contender: ``N`` back-to-back eager calls
 after a warm-up; "host µs" is the enqueue time per call (perf_counter around the loop, no
@@ -16,9 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantkit.formats import get_format  # noqa: E402
+from quantkit.formats import fp8, get_format  # noqa: E402
 from quantkit.kernels import cache as kcache  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue  # noqa: E402
+from quantkit.kernels.sm90 import act_quant as aq  # noqa: E402
+from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 
@@ -49,8 +52,14 @@ def main():
     x16 = torch.randn(16, k, device="cuda").to(torch.bfloat16)
     wb = torch.randn(n, k, device="cuda").to(torch.bfloat16)
     wgmma = ng.pick_config(1, w.row_exp.shape[0], k, Epilogue(), False)
+    w8, w8_scale = fp8.quantize(torch.randn(n, k, device="cuda") * 0.05, (128, 128))
+
+    def fp8_block(xb):
+        return fbg.fp8_block_gemm(*aq.act_quant(xb), w8, w8_scale)
+
     kernels = {"gemv": lambda: ng.nvfp4_w4a16(x, w), "wgmma": lambda: ng.nvfp4_w4a16(x, w, config=wgmma),
-               "w4a8 M=16": lambda: nw8.nvfp4_w4a8(x16, w)}
+               "w4a8 M=16": lambda: nw8.nvfp4_w4a8(x16, w), "fp8-block M=1": lambda: fp8_block(x),
+               "fp8-block M=16": lambda: fp8_block(x16)}
     outs, rows = {}, []
 
     def through(name, tvm_ffi):

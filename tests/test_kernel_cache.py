@@ -1,7 +1,9 @@
 """quantkit.kernels.cache: arch strings, pinning, and compile-once behaviour (CPU, compile-only)."""
 
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -54,3 +56,33 @@ def test_compile_kernel_traces_once_per_key_and_targets_the_given_arch(tmp_path)
     assert (("double", "test-cache"), "sm_90a") in cache.cached_keys()
     targets = sorted(line.split()[1] for p in tmp_path.glob("*.ptx") for line in p.read_text().splitlines() if line.startswith(".target"))
     assert targets == ["sm_100a", "sm_90a"]
+
+
+def test_sm90_kernels_compile_to_tvm_ffi_executors():
+    """The launch path every sm90 op takes where apache-tvm-ffi is installed: NVFP4 GEMV, W4A16 and
+    W4A8 WGMMA, W4A8 activation quantization, fp8-block GEMM (plain and requant), fp8 act-quant."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    script = textwrap.dedent("""
+        import os
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from quantkit.kernels.epilogue import Epilogue
+        from quantkit.kernels.sm90 import act_quant as aq, fp8_block_gemm as fbg
+        from quantkit.kernels.sm90 import nvfp4_gemv as gv
+        from quantkit.kernels.sm90 import nvfp4_gemm as ng, nvfp4_w4a8 as nw8
+        fn = gv.compile_gemv(gv.pick_gemv_config(1, 4096, 4096, Epilogue()), Epilogue(), tvm_ffi=True, arch="sm_90a")
+        print(type(fn).__name__)
+        for w4a8 in (False, True):
+            cfg = ng.pick_config(2048, 4096, 4096, Epilogue(), w4a8)
+            print(type(ng.compile_gemm(cfg, Epilogue(), w4a8, tvm_ffi=True, arch="sm_90a")).__name__)
+        print(type(nw8.compile_act_quant(tvm_ffi=True, arch="sm_90a")).__name__)
+        for epi in (Epilogue(), Epilogue(bias=True, activation="silu", requant="fp8-block")):
+            cfg = fbg.pick_config(4096, 4096, 4096, epi)
+            print(type(fbg.compile_gemm(cfg, epi, tvm_ffi=True, arch="sm_90a")).__name__)
+        print(type(aq.compile_act_quant(True, tvm_ffi=True, arch="sm_90a")).__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("TVMFFI") == 7, proc.stdout

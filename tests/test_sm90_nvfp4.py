@@ -339,30 +339,6 @@ GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, e
 ]
 
 
-def test_kernels_compile_to_tvm_ffi_executors():
-    """The launch path the NVFP4 ops take where apache-tvm-ffi is installed."""
-    pytest.importorskip("cutlass")
-    pytest.importorskip("tvm_ffi")
-    script = textwrap.dedent("""
-        import os
-        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-        from quantkit.kernels.epilogue import Epilogue
-        from quantkit.kernels.sm90 import nvfp4_gemv as gv
-        from quantkit.kernels.sm90 import nvfp4_gemm as ng, nvfp4_w4a8 as nw8
-        fn = gv.compile_gemv(gv.pick_gemv_config(1, 4096, 4096, Epilogue()), Epilogue(), tvm_ffi=True, arch="sm_90a")
-        print(type(fn).__name__)
-        for w4a8 in (False, True):
-            cfg = ng.pick_config(2048, 4096, 4096, Epilogue(), w4a8)
-            print(type(ng.compile_gemm(cfg, Epilogue(), w4a8, tvm_ffi=True, arch="sm_90a")).__name__)
-        print(type(nw8.compile_act_quant(tvm_ffi=True, arch="sm_90a")).__name__)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("TVMFFI") == 4  # GEMV, W4A16 and W4A8 WGMMA kernels, activation quantization
-
-
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
     """The decode GEMV: warp-level bf16 MMAs (no WGMMA), 16-byte cp.async copies, 16-byte
     shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split

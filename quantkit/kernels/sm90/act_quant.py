@@ -23,6 +23,7 @@ import cutlass.cute as cute
 import torch
 
 from quantkit.formats import fp8
+from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -118,15 +119,16 @@ class ActQuantSm90:
                 mS[row, g] = scale
 
 
-def compile_act_quant(rmsnorm: bool, *, arch: str | None = None, options: str = ""):
+def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled :class:`ActQuantSm90` (through :mod:`quantkit.kernels.cache`); the executor takes
-    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, ``eps`` and a ``cuda.CUstream``."""
+    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, ``eps`` and a ``cuda.CUstream`` (with
+    ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, the stream handle as an int)."""
     from cutlass.cute.runtime import make_fake_stream
 
     from quantkit.kernels.cache import compile_kernel
 
     return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, GROUP, 1e-6,
-                          make_fake_stream(), arch=arch, options=options)
+                          make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -144,9 +146,10 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
         return q, scale
     x = x.contiguous()
     w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
-    fn = compile_act_quant(norm_weight is not None)
-    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, eps, stream)
+    tvm_ffi = use_tvm_ffi()
+    fn = compile_act_quant(norm_weight is not None, tvm_ffi=tvm_ffi)
+    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, eps,
+       launch_stream(x.device, tvm_ffi))
     return q, scale
 
 
