@@ -125,8 +125,6 @@ def main() -> None:
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--ab-defer", action="store_true",
                         help="with --tune-rows: time DEFER_AB instead, and stop after those rows")
-    parser.add_argument("--ab-epilogue-warps", action="store_true",
-                        help="only the epilogue rows, each epilogue with and without TileConfig.epilogue_warps")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
@@ -158,8 +156,6 @@ def main() -> None:
     rows = SQUARE + DSV3 + LLAMA
     if args.ab_defer:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
-    if args.ab_epilogue_warps:
-        rows = [(n, k, m) for n, k, m in rows if (m, n, k) in EPILOGUE_ROWS]
     for n, k, m in rows:
         prob = Problem(m, n, k, gen)
         if args.tune_rows is not None and m >= args.tune_rows:
@@ -192,8 +188,6 @@ def main() -> None:
             variants = (picked,)
             if args.ab_defer:
                 variants = (picked, replace(picked, defer_epilogue=not picked.defer_epilogue))
-            if args.ab_epilogue_warps and picked.tile_m == picked.tile_n == 128:
-                variants = (replace(picked, epilogue_warps=False), replace(picked, epilogue_warps=True))
             for epi_cfg in variants:
                 t_epi = prob.ours(epi_cfg, epi, bias)
                 t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
@@ -205,7 +199,7 @@ def main() -> None:
                       flush=True)
         del prob
 
-    for m, k in [] if args.ab_defer or args.ab_epilogue_warps else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
+    for m, k in [] if args.ab_defer else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):

@@ -18,12 +18,7 @@ Structure (one CTA per SM, persistent over output tiles, visited in raster group
   WGMMA into a temporary FP32 accumulator, then *promotion* ``acc += tmp * x_scale[row] *
   w_scale`` outside the tensor core (with two temporaries, one block's promotion overlaps the
   next block's WGMMAs). A tile's epilogue runs in registers once the next tile's first K blocks
-  are issued, and the tile leaves through shared memory in one TMA store group;
-* or, with ``TileConfig.epilogue_warps`` (an experiment, not in the dispatch table: see
-  benchmarks/notes/fp8_block.md v6), the consumers only write the promoted FP32 tile to shared memory and go on with
-  the next tile, and warps 1-3 of warpgroup 0 (idle otherwise) run the epilogue from there, a row
-  per warp at a time (bias, activation, residual, requant's 128-column amax as a warp shuffle) and
-  store rows straight to global memory: the epilogue overlaps the next tile's mainloop.
+  are issued, and the tile leaves through shared memory in one TMA store group.
 
 ``M`` is a runtime value (TMA zero-fills rows past ``M`` on load and clips them on store), so one
 compiled kernel serves every ``M``; ``N'`` and ``K`` must be multiples of 128.
@@ -52,8 +47,6 @@ from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
-STAGE_COLS = BLOCK + 8  # row pitch (floats) of the FP32 tile the epilogue warps read
-EPI_ROWS = 4  # rows an epilogue warp works on at once
 FP8_MAX = 448.0
 OVERLAP_UNROLL = 4  # k-tiles per straight-line group of the overlapped mainloop
 _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
@@ -73,7 +66,6 @@ class TileConfig:
     overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % 4 == 0)
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
-    epilogue_warps: bool = False  # the producer warpgroup's 3 idle warps run the epilogue from an FP32 smem tile
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -95,8 +87,6 @@ class TileConfig:
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
         if epilogue.requant is not None and (epilogue.requant != "fp8-block" or out_cols != BLOCK):
             raise ValueError("requant supports fp8-block with 128 output columns per tile (tile_n = 128, no swiglu)")
-        if self.epilogue_warps and (self.tile_m, self.tile_n) != (128, 128):
-            raise ValueError("epilogue_warps needs a 128x128 tile")
 
 
 def scales_for_tma(x_scale):
@@ -135,10 +125,6 @@ class Fp8BlockGemmSm90:
         self.consumer_regs = 232
         self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-        self.offload = config.epilogue_warps
-        # Hand-off of the FP32 tile between the consumers and the 3 epilogue warps (named barriers).
-        self.stage_full = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_mma_threads + 3 * 32)
-        self.stage_free = pipeline.NamedBarrier(barrier_id=3, num_threads=self.num_mma_threads + 3 * 32)
 
     # ---------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -212,12 +198,10 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSA,
             cute.slice_(self.sa_smem_staged, (None, None, 0)), (self.cfg.tile_m, 1),
         )
-        tma_d = tD = None
-        if cutlass.const_expr(not self.offload):
-            tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
-                cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
-            )
+        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+            cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
+        )
         num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
         # raster > 1 rounds the N-cluster count up to a multiple of it: the kernel skips those clusters.
         sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
@@ -229,7 +213,7 @@ class Fp8BlockGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[self.epi_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -243,13 +227,7 @@ class Fp8BlockGemmSm90:
 
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
-        self.epi_dtype = cutlass.Float32 if self.offload else self.out_dtype
-        if cutlass.const_expr(self.offload):
-            # The promoted FP32 tile, rows padded by 8 floats: a warp's 8-byte fragment stores
-            # (8 rows x 4 column pairs) and the epilogue warps' 16-byte row reads are conflict-free.
-            bytes_epi = self.cfg.tile_m * STAGE_COLS * 4
-        else:
-            bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
@@ -261,12 +239,9 @@ class Fp8BlockGemmSm90:
         self.a_smem_staged = staged(self.cfg.tile_m, self.ab_dtype, BLOCK, (self.cfg.tile_m, BLOCK, self.ab_stage), (0, 1, 2))
         self.b_smem_staged = staged(self.cfg.tile_n, self.ab_dtype, BLOCK, (self.cfg.tile_n, BLOCK, self.ab_stage), (0, 1, 2))
         self.sa_smem_staged = cute.make_layout((self.cfg.tile_m, 1, self.ab_stage), stride=(1, 0, self.cfg.tile_m))
-        if cutlass.const_expr(self.offload):
-            self.epi_smem_staged = cute.make_layout((self.cfg.tile_m, self.cfg.tile_n), stride=(STAGE_COLS, 1))
-        else:
-            self.epi_smem_staged = staged(
-                self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
-            )
+        self.epi_smem_staged = staged(
+            self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
+        )
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast: int):
@@ -288,7 +263,7 @@ class Fp8BlockGemmSm90:
         sched_params: utils.PersistentTileSchedulerParams,
         tiled_mma: cute.TiledMma, tiled_mma_out: cute.TiledMma, cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-        sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout | cute.Layout,
+        sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -296,8 +271,7 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_sa)
-            if cutlass.const_expr(not self.offload):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
@@ -326,12 +300,8 @@ class Fp8BlockGemmSm90:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sSA = storage.sSA.get_tensor(sa_smem_staged)
-        gD = None
-        if cutlass.const_expr(self.offload):
-            sD = storage.sD.get_tensor(epi_smem_staged)
-        else:
-            sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-            gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
+        sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
 
         # (bM, bK, RestM, RestK) etc.
         gA = cute.local_tile(mA, (self.cfg.tile_m, BLOCK), (None, None))
@@ -362,8 +332,6 @@ class Fp8BlockGemmSm90:
                     ab_pipe, sched_params, k_tiles, n_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask,
                     tma_sa, tSgS, tSsS,
                 )
-            elif cutlass.const_expr(self.offload):
-                self._epilogue_warps(sched_params, n_tiles, warp_idx - 1, sD, mD, mBias, mRes, mDS)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consumer(
@@ -425,12 +393,11 @@ class Fp8BlockGemmSm90:
         # Output: registers -> smem -> gmem by TMA, the whole tile per store group (bf16 through stmatrix
         # in 32-column sub-tiles, FP8 by column pairs at their coordinates). A tile's epilogue runs once
         # the next tile's first k-tiles are issued, so it overlaps their WGMMAs (the last tile's after the loop).
-        store_pipe = r2s = None
-        if cutlass.const_expr(not self.offload):
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-            )
-        if cutlass.const_expr(not self.requant and not self.offload):
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        r2s = None
+        if cutlass.const_expr(not self.requant):
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
@@ -458,7 +425,7 @@ class Fp8BlockGemmSm90:
                     tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
                         tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
                     read.advance()
-                if cutlass.const_expr(self.cfg.defer_epilogue and not self.offload):
+                if cutlass.const_expr(self.cfg.defer_epilogue):
                     if tiles_done > 0:
                         self._finish_tile(acc, prev_tm, prev_tn, *epi)
                 # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
@@ -487,22 +454,17 @@ class Fp8BlockGemmSm90:
                             ab_pipe.consumer_release(state)
                             state.advance()
                             self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
-                if cutlass.const_expr(self.offload):
-                    self._hand_off(acc, tCcAcc, n_frag, sD)
-                elif cutlass.const_expr(not self.cfg.defer_epilogue):
+                if cutlass.const_expr(not self.cfg.defer_epilogue):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
                 prev_tn = tn
                 tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        if cutlass.const_expr(self.offload):
-            self.stage_free.arrive_and_wait()  # the epilogue warps' last tile is read: nothing left pending
-        else:
-            if cutlass.const_expr(self.cfg.defer_epilogue):
-                if tiles_done > 0:
-                    self._finish_tile(acc, prev_tm, prev_tn, *epi)
-            store_pipe.producer_tail()
+        if cutlass.const_expr(self.cfg.defer_epilogue):
+            if tiles_done > 0:
+                self._finish_tile(acc, prev_tm, prev_tn, *epi)
+        store_pipe.producer_tail()
 
     @cute.jit
     def _issue_k_tile(self, tiled_mma, tmp, tCrA, tCrB, k_blocks, ab_pipe, read, kt, sSA, mSB, seg_blocks, row_lo, row_hi):
@@ -565,106 +527,6 @@ class Fp8BlockGemmSm90:
                 pair[0, 0] = out[((0, h, j), 0, 0)]
                 pair[0, 1] = out[((1, h, j), 0, 0)]
                 pairs[(None, (coord[0], coord[1] // 2))].store(pair.load().to(cutlass.Float8E4M3FN))
-
-    @cute.jit
-    def _hand_off(self, acc, tCcAcc, n_frag, sStage):
-        """Consumers: once the epilogue warps have read the previous tile, write the promoted FP32
-        tile ``acc`` into ``sStage`` (8-byte column pairs at their tile coordinates) and signal it."""
-        pairs = cute.zipped_divide(sStage, (1, 2))
-        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
-        self.stage_free.arrive_and_wait()
-        for j in cutlass.range_constexpr(n_frag):
-            for h in cutlass.range_constexpr(2):
-                coord = tCcAcc[((0, h, j), 0, 0)]
-                pair[0, 0] = acc[((0, h, j), 0, 0)]
-                pair[0, 1] = acc[((1, h, j), 0, 0)]
-                pairs[(None, (coord[0], coord[1] // 2))].store(pair.load())
-        self.stage_full.arrive()
-
-    @cute.jit
-    def _epilogue_warps(self, sched_params, n_tiles, ewarp, sStage, mD, mBias, mRes, mDS):
-        """Warps 1-3 of warpgroup 0: the epilogue of every tile this CTA computes, from the FP32
-        tile in ``sStage``. Warp ``ewarp`` takes rows ``ewarp, ewarp + 3, ...``, :data:`EPI_ROWS`
-        of them at a time (independent chains: the warp's loads, MUFU and shuffle latencies
-        overlap); lane ``l`` owns output columns ``VEC*l .. VEC*l + VEC-1`` (``VEC = out_tile_n / 32``;
-        SwiGLU reads gate and up columns ``VEC*l`` and ``64 + VEC*l``), so a requant group (a row's
-        128 columns) is one warp."""
-        vec = self.out_tile_n // 32
-        tile_m = self.cfg.tile_m
-        lane = cute.arch.lane_idx()
-        m_total = mD.shape[0]
-        gate_cols = cute.zipped_divide(sStage, (1, vec))
-        up_cols = cute.zipped_divide(cute.domain_offset((0, SWIGLU_GROUP), sStage), (1, vec)) if self.swiglu else None
-        out_vecs = cute.zipped_divide(mD, (1, vec))
-        res_vecs = cute.zipped_divide(mRes, (1, vec)) if self.epi.residual else None
-        bias_vecs = cute.zipped_divide(mBias, (vec,)) if self.epi.bias else None
-        v = [cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.Float32) for _ in range(EPI_ROWS)]
-        b_gate = cute.make_rmem_tensor(cute.make_layout((vec,)), cutlass.Float32)
-        b_up = cute.make_rmem_tensor(cute.make_layout((vec,)), cutlass.Float32)
-        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-        work = sched.initial_work_tile_info()
-        self.stage_free.arrive()  # the stage starts empty
-        while work.is_valid_tile:
-            tm, tn, _ = work.tile_idx
-            if self._real_tile(tn, n_tiles):
-                n0 = tn * self.cfg.tile_n  # first weight row (N' column) of the tile
-                col = tn * (self.out_tile_n // vec) + lane  # this lane's output column vector
-                in_cols = col * vec < mD.shape[1]  # N' % 64 == 0: a lane's columns are all in or all out
-                col_read = cutlass.min(col, mD.shape[1] // vec - 1)  # clamped: loads stay in bounds
-                if cutlass.const_expr(self.epi.bias):
-                    if cutlass.const_expr(self.swiglu):  # gate and up columns of the tile's weight rows
-                        b_gate.store(bias_vecs[(None, n0 // vec + lane)].load().to(cutlass.Float32))
-                        b_up.store(bias_vecs[(None, (n0 + SWIGLU_GROUP) // vec + lane)].load().to(cutlass.Float32))
-                    else:
-                        b_gate.store(bias_vecs[(None, col_read)].load().to(cutlass.Float32))
-                self.stage_full.arrive_and_wait()
-                for g in range((-(-tile_m // 3) + EPI_ROWS - 1) // EPI_ROWS):
-                    rows = [ewarp + 3 * (g * EPI_ROWS + u) for u in range(EPI_ROWS)]
-                    for u in cutlass.range_constexpr(EPI_ROWS):
-                        r = cutlass.min(rows[u], tile_m - 1)
-                        v[u].store(gate_cols[(None, (r, lane))].load())
-                        up = up_cols[(None, (r, lane))].load() if self.swiglu else None
-                        for i in cutlass.range_constexpr(vec):
-                            x = v[u][0, i]
-                            if cutlass.const_expr(self.epi.bias):
-                                x = x + b_gate[i]
-                            if cutlass.const_expr(self.swiglu):
-                                gu = up[i]
-                                if cutlass.const_expr(self.epi.bias):
-                                    gu = gu + b_up[i]
-                                x = self._activate(x, "silu") * gu
-                            else:
-                                x = self._activate(x, self.epi.activation)
-                            v[u][0, i] = x
-                        if cutlass.const_expr(self.epi.residual):
-                            m_read = cutlass.min(tm * tile_m + r, m_total - 1)
-                            res = res_vecs[(None, (m_read, col_read))].load().to(cutlass.Float32)
-                            for i in cutlass.range_constexpr(vec):
-                                v[u][0, i] = v[u][0, i] + res[i]
-                    scales = [None] * EPI_ROWS
-                    if cutlass.const_expr(self.requant):
-                        amax = [cutlass.Float32(0.0)] * EPI_ROWS
-                        for u in cutlass.range_constexpr(EPI_ROWS):
-                            for i in cutlass.range_constexpr(vec):
-                                v[u][0, i] = v[u][0, i].to(cutlass.BFloat16).to(cutlass.Float32)
-                                amax[u] = cute.arch.fmax(amax[u], cute.arch.fmax(v[u][0, i], -v[u][0, i]))
-                        for b in cutlass.range_constexpr(5):
-                            for u in cutlass.range_constexpr(EPI_ROWS):
-                                amax[u] = cute.arch.fmax(amax[u], cute.arch.shuffle_sync_bfly(amax[u], offset=1 << b))
-                        for u in cutlass.range_constexpr(EPI_ROWS):
-                            scales[u], inv_scale = _fp8_group_scale(amax[u])
-                            for i in cutlass.range_constexpr(vec):
-                                v[u][0, i] = _clamp_fp8(v[u][0, i] * inv_scale)
-                    for u in cutlass.range_constexpr(EPI_ROWS):
-                        m = tm * tile_m + rows[u]
-                        if rows[u] < tile_m and m < m_total and in_cols:
-                            out_vecs[(None, (m, col))].store(v[u].load().to(self.out_dtype))
-                            if cutlass.const_expr(self.requant):
-                                if lane == 0:
-                                    mDS[m, tn] = scales[u]
-                self.stage_free.arrive()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
 
     @cute.jit
     def _issue(self, tiled_mma, tmp, tCrA, tCrB, stage, k_blocks):
