@@ -6,7 +6,8 @@ metrics of ``accuracy_gemma.py`` (WikiText-2 perplexity, first 10×512 tokens; L
 * **weights only**: the quantized weights, with the format's activation quantization switched off;
 * **both**: the quantized model as shipped;
 * **activations only**: the float model, with the format's activation quantize-dequantize applied to
-  the inputs of the same linears.
+  the inputs of the same linears, each call with its own tensor scale (the float model has no AWQ /
+  SmoothQuant smoothing, so the calibrated static scales of the quantized model do not apply).
 
 Run: ``python benchmarks/accuracy_attribution.py --format fp8-block --out results/X.json`` (CPU, ~12 min).
 """
@@ -25,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accuracy_gemma import lambada_accuracy, lambada_requests, perplexity, wikitext_windows  # noqa: E402
 
 
+PARTS = ("weights only", "both", "activations only")
+
+
 def main() -> None:
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.pipeline import quantize
@@ -36,12 +40,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--format", default="fp8-block")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="evaluations to run (others are kept from --out)")
     args = p.parse_args()
     torch.manual_seed(0)
     base, tokenizer = load_model("demo", dtype=torch.float32)
     windows, requests = wikitext_windows(tokenizer, 10, 512), lambada_requests(tokenizer, 300)
     calib = token_samples(load_texts(None, tokenizer), tokenizer, num_samples=16, seq_len=256)
-    results = {}
+    results = {k: v for k, v in json.loads(args.out.read_text()).items() if k in PARTS} if args.out.exists() else {}
 
     def record(key: str, model) -> None:
         t = time.time()
@@ -58,17 +63,18 @@ def main() -> None:
         quantize(model, Recipe(args.format), calib, batch_size=8)
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     qdq = act.qdq
-    act.qdq = lambda x, input_scale=None: x
-    try:
-        record("weights only", model)
-    finally:
-        act.qdq = qdq
-    record("both", model)
-    scales = {n: model.get_submodule(n).input_scale for n in names}
-    for n in names:
-        base.get_submodule(n).register_forward_pre_hook(
-            lambda m, a, s=scales[n]: (qdq(a[0], s).to(a[0].dtype), *a[1:]))
-    record("activations only", base)
+    if "weights only" in args.parts:
+        act.qdq = lambda x, input_scale=None: x
+        try:
+            record("weights only", model)
+        finally:
+            act.qdq = qdq
+    if "both" in args.parts:
+        record("both", model)
+    if "activations only" in args.parts:
+        for n in names:
+            base.get_submodule(n).register_forward_pre_hook(lambda m, a: (qdq(a[0]).to(a[0].dtype), *a[1:]))
+        record("activations only", base)
 
 
 if __name__ == "__main__":
