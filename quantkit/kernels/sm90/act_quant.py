@@ -17,6 +17,8 @@ memory) and the second pass re-reads the row (from L1/L2).
 """
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -131,6 +133,12 @@ def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None 
                           make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
+@functools.lru_cache(maxsize=None)
+def _executor(rmsnorm: bool, tvm_ffi: bool):
+    """:func:`compile_act_quant`'s executor, cached: the per-call host path is a dict lookup."""
+    return compile_act_quant(rmsnorm, tvm_ffi=tvm_ffi)
+
+
 def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
     """fp8-block quantization of bf16 ``x[M, K]`` (K divisible by 128) on the GPU, optionally
     after RMSNorm with bf16 ``norm_weight[K]``: returns (float8_e4m3fn ``[M, K]``, FP32 scales
@@ -147,7 +155,7 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
     x = x.contiguous()
     w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
     tvm_ffi = use_tvm_ffi()
-    fn = compile_act_quant(norm_weight is not None, tvm_ffi=tvm_ffi)
+    fn = _executor(norm_weight is not None, tvm_ffi)
     fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, eps,
        launch_stream(x.device, tvm_ffi))
     return q, scale

@@ -723,12 +723,13 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, config: TileConfig | None,
           tvm_ffi: bool):
-    """(config, executor) of one launch shape, cached: the per-call host path is a dict lookup."""
+    """The executor of one launch shape (dispatch config unless ``config``), cached: the per-call
+    host path is a dict lookup."""
     config = config or pick_config(m, n, k, epilogue)
     if config.overlap and (k // BLOCK) % OVERLAP_UNROLL:
         config = replace(config, overlap=False)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return config, compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms, tvm_ffi=tvm_ffi)
+    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms, tvm_ffi=tvm_ffi)
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
@@ -770,7 +771,7 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     x, w = x.contiguous(), w.contiguous()
     x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
-    _, fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
+    fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, n, k,
        launch_stream(x.device, tvm_ffi))

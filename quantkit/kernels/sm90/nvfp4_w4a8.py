@@ -10,6 +10,7 @@ w4a8_k_permutation`) so the GEMM's FP8 fragment slots see the columns its weight
 ``s[m] = amax/448`` (1 for an all-zero row), ``xq = e4m3(x / s)`` with an IEEE FP32 division and
 a saturating round-to-nearest-even, as :func:`quantkit.formats.w4a8.quantize_activation`.
 """
+import functools
 import threading
 
 import torch
@@ -118,6 +119,12 @@ def compile_act_quant(tvm_ffi: bool = False, arch: str | None = None, options: s
                           arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
+@functools.lru_cache(maxsize=None)
+def _executor(tvm_ffi: bool):
+    """:func:`compile_act_quant`'s executor, cached: the per-call host path is a dict lookup."""
+    return compile_act_quant(tvm_ffi)
+
+
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``x [M, K]`` (K a multiple of 16) -> (E4M3 ``xq [M, K]`` in the GEMM's permuted K
     order, FP32 ``s [M]``): :func:`quantkit.formats.w4a8.quantize_activation` of
@@ -130,7 +137,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         tvm_ffi = use_tvm_ffi()
-        compile_act_quant(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, launch_stream(x.device, tvm_ffi))
+        _executor(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, launch_stream(x.device, tvm_ffi))
     return xq, s
 
 
