@@ -16,6 +16,7 @@ from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gat
 cutlass = pytest.importorskip("cutlass")
 from quantkit.kernels.sm90 import act_quant as aq  # noqa: E402
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
+from quantkit.kernels.sm90 import fp8_block_gemv as fgv  # noqa: E402
 
 # Variants beyond the dispatch table that must stay correct: raster groups, multicast + raster,
 # 192-column tiles (two weight-scale blocks per tile), no overlap.
@@ -222,6 +223,59 @@ def test_act_quant_compiles_for_sm90a(tmp_path):
         assert ("rsqrt" in ptx) == rms
 
 
+# ----------------------------------------------------------------------------- CPU: decode GEMV
+GEMV_EPILOGUES = [Epilogue(), Epilogue(bias=True, activation="gelu_tanh", residual=True),
+                  Epilogue(bias=True, activation="swiglu"), Epilogue(activation="relu")]
+
+
+def test_gemv_config_rule_and_routing():
+    """8 warps with PDL, slots for the next power of two of M, a K-split only as a cluster (narrow,
+    deep weights), 3 stages only where they fit one CTA per SM within one wave; the linear entry
+    point takes the GEMV for 1..8 tokens without requant and the GEMM otherwise."""
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2112, 7168), (7168, 16384)):
+        for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
+            for m in (1, 3, 8):
+                cfg = fgv.pick_gemv_config(m, n, k, epi)
+                cfg.check(epi)
+                assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
+                assert cfg.cluster == (cfg.splits > 1)
+                assert cfg.smem_bytes() <= 227 * 1024
+    assert fgv.pick_gemv_config(1, 4096, 14336, Epilogue()).splits == 2
+    assert fgv.pick_gemv_config(1, 28672, 4096, Epilogue()).splits == 1
+    with pytest.raises(ValueError):
+        fgv.Fp8GemvConfig(8, 1, 2, 2, 1, cluster=False).check(Epilogue())  # no split-K turnstile here
+    with pytest.raises(ValueError):
+        fgv.Fp8GemvConfig(8, 1, 4, 1, 8).check(Epilogue())  # 8 warps x 4 slots of 8 tokens exceed smem
+    assert fgv.supports(1, 4096, 4096, Epilogue()) and fgv.supports(8, 320, 640, Epilogue())
+    assert not fgv.supports(9, 4096, 4096, Epilogue())
+    assert not fgv.supports(1, 4096, 4096, Epilogue(requant="fp8-block"))
+    assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
+
+
+def test_gemv_compiles_for_sm90a_to_e4m3_mma_sync(tmp_path):
+    """The decode GEMV: per k-tile 16 warp-level E4M3 MMAs (4 strips x 4 k32 blocks), 16 weight + the
+    activation copies (16 bytes) and one 4-byte scale copy, 16-byte shared loads only (4 per strip
+    and row half, 4 for the activations), the activation rounding as the act-quant kernel's (exact
+    division, 8 words of 4 E4M3 per lane), nothing in local memory, DSMEM loads only in clusters."""
+    cases = [(fgv.Fp8GemvConfig(8, 1, 3, 1, 1, pdl=True), Epilogue()),
+             (fgv.Fp8GemvConfig(8, 1, 2, 1, 8, pdl=True), GEMV_EPILOGUES[1]),
+             (fgv.Fp8GemvConfig(8, 2, 2, 2, 4, pdl=True, cluster=True), GEMV_EPILOGUES[2]),
+             (fgv.Fp8GemvConfig(4, 1, 3, 4, 2, cluster=True), GEMV_EPILOGUES[3])]
+    for i, (cfg, epi) in enumerate(cases):
+        ptx = _ptx(tmp_path, f"gemv{i}", lambda opts: fgv.compile_gemv(cfg, epi, arch="sm_90a", options=opts))
+        assert ".target sm_90a" in ptx and "wgmma" not in ptx
+        assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16
+        x_copies = -(-cfg.tokens * 16 // 32)
+        assert ptx.count("cp.async.cg.shared.global.L2::128B") == (16 + x_copies) * cfg.stages
+        assert ptx.count("cp.async.ca.shared.global") == cfg.stages
+        assert ptx.count("ld.shared.v4.b32") == 20
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16 and ptx.count("div.rn.f32") >= 32  # 2 per word
+        assert "div.approx" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
+        assert ptx.count("ld.shared::cluster.f32") == (
+            cfg.splits * 64 * cfg.tiles * 8 // (32 * cfg.warps) if cfg.cluster else 0)
+        assert ("griddepcontrol.wait" in ptx) == cfg.pdl
+
+
 # ----------------------------------------------------------------------------- GPU
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
@@ -340,3 +394,86 @@ def test_gpu_torch_compile_and_cuda_graph_no_recompile():
     torch.cuda.synchronize()
     assert torch.equal(static_out, layer(x))
     assert math.isfinite(static_out.float().sum().item())
+
+
+def _gemv_inputs(m, n, k, gen, epi):
+    """bf16 activations (token 0's first group all zero: the scale-1 rule), fp8-block weights."""
+    x = torch.randn(m, k, generator=gen, device="cuda") * (1 + 20 * (torch.rand(m, k, generator=gen, device="cuda") < 0.01))
+    x[0, :128] = 0
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+    if epi.activation == "swiglu":
+        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    wq, ws = fp8.quantize(w, (128, 128))
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
+    res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
+    return x.to(torch.bfloat16), wq, ws, bias, res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(256, 512), (4096, 1536), (320, 640), (2112, 7168), (512, 16384)])
+def test_gpu_gemv_matches_float64(m, n, k):
+    """The GEMV (its activation quantization included) against float64 math on the float64-rule
+    quantized activations, for the rule's config and the other ring/split/token variants."""
+    gen = torch.Generator("cuda").manual_seed(m * 13 + n + k)
+    x, wq, ws, _, _ = _gemv_inputs(m, n, k, gen, Epilogue())
+    xq, xs = fp8_block_quant_f64(x.cpu())
+    ref = gemm_f64(xq.cuda(), xs.cuda(), wq, ws, Epilogue())
+    tokens = 1 << (m - 1).bit_length()
+    configs = {fgv.pick_gemv_config(m, n, k, Epilogue()), fgv.Fp8GemvConfig(8, 1, 2, 1, 8),
+               fgv.Fp8GemvConfig(4, 1, 3, 1, tokens, pdl=True), fgv.Fp8GemvConfig(8, 1, 2, 2, tokens, cluster=True),
+               fgv.Fp8GemvConfig(8, 1, 2, 4, tokens, pdl=True, cluster=True)}
+    for cfg in sorted(configs, key=str):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fgv.fp8_block_gemv(x, wq, ws, config=cfg, out=out)
+        assert not out.isnan().any(), cfg
+        assert _rel(out, ref.to(torch.bfloat16)) < 1e-3, cfg
+        assert _rel(out, ref) < 4e-3, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epi", GEMV_EPILOGUES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gpu_gemv_epilogues_match_float64_and_the_gemm_path(m, epi):
+    n, k = 512, 2048
+    gen = torch.Generator("cuda").manual_seed(m + 29)
+    x, wq, ws, bias, res = _gemv_inputs(m, n, k, gen, epi)
+    xq, xs = fp8_block_quant_f64(x.cpu())
+    ref = gemm_f64(xq.cuda(), xs.cuda(), wq, ws, epi, bias, res)
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fgv.fp8_block_gemv(x, wq, ws, epi, bias, res, out=out)
+    assert got.shape == (m, n_out) and not got.isnan().any()
+    assert _rel(got, ref.to(torch.bfloat16)) < 1e-3
+    two_kernels = fbg.fp8_block_gemm(*aq.act_quant(x), wq, ws, epi, bias, res)
+    assert _rel(got, two_kernels) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_linear_op_one_graph_for_every_m_and_cuda_graph_decode():
+    """``quantkit::fp8_block_linear`` under torch.compile (dynamic M across the GEMV/GEMM switch: one
+    graph) and captured in a CUDA graph at M = 1 (the GEMV)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    n, k = 512, 1024
+    gen = torch.Generator("cuda").manual_seed(6)
+    wq, ws = fp8.quantize(torch.randn(n, k, generator=gen, device="cuda") * 0.05, (128, 128))
+
+    def layer(x):
+        return torch.ops.quantkit.fp8_block_linear(x, wq, ws, None, None, "silu")
+
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    for m in (3, 8, 17, 300):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
+    x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
+    static_out = layer(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(x)
+    x.copy_(torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, layer(x))

@@ -3,9 +3,10 @@
 Importing this package costs no CuTeDSL import or compilation: each backend imports its kernel
 module on first use.
 
-* ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`: ``fp8-block`` weights,
+* ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`, or for ``M <= 8`` the
+  decode GEMV :mod:`.fp8_block_gemv` (activations quantized in-kernel): ``fp8-block`` weights,
   bf16 activations quantized per 1x128 group on the fly; epilogues bias, activation (incl.
-  interleaved SwiGLU), residual, requant to ``fp8-block``.
+  interleaved SwiGLU), residual, requant to ``fp8-block`` (GEMM only).
 * ``sm90-nvfp4`` — :mod:`.nvfp4_gemm` W4A16: ``nvfp4-w4a16`` weights × bf16 activations. Hopper
   has no FP4 tensor cores, so ``nvfp4`` (W4A4) runs here too: its activations are quantized and
   dequantized in PyTorch (the reference's own ``qdq``, rounded to bf16), then the W4A16 kernel.
@@ -37,19 +38,19 @@ def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epil
 
 def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
                   input_scale=None):
-    """``x [..., K]`` bf16 -> act_quant -> fp8-block GEMM + ``epilogue``: bf16 ``[..., N]``, or for
-    requant the pair (FP8 ``[M, N]``, FP32 scales ``[M, N/128]``) over the flattened rows."""
+    """``x [..., K]`` bf16 -> fp8-block linear + ``epilogue`` (the decode GEMV for ``M <= 8``, else
+    act_quant and the GEMM): bf16 ``[..., N]``, or for requant the pair (FP8 ``[M, N]``, FP32 scales
+    ``[M, N/128]``) over the flattened rows."""
     from quantkit.kernels.sm90.act_quant import act_quant_op
-    from quantkit.kernels.sm90.fp8_block_gemm import fp8_block_gemm_op, fp8_block_gemm_requant_op
+    from quantkit.kernels.sm90.fp8_block_gemm import fp8_block_gemm_requant_op, fp8_block_linear_op
 
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = act_quant_op(x.reshape(-1, k))
-    res = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
-    args = (xq, xs, qweight.data, qweight.scale, bias if epilogue.bias else None, res if epilogue.residual else None,
-            epilogue.activation)
+    x2 = x.reshape(-1, k)
+    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    b = bias if epilogue.bias else None
     if epilogue.requant is not None:
-        return fp8_block_gemm_requant_op(*args)
-    out = fp8_block_gemm_op(*args)
+        return fp8_block_gemm_requant_op(*act_quant_op(x2), qweight.data, qweight.scale, b, res, epilogue.activation)
+    out = fp8_block_linear_op(x2, qweight.data, qweight.scale, b, res, epilogue.activation)
     return out.reshape(*lead, out.shape[-1])
 
 

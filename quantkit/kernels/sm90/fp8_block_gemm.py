@@ -814,3 +814,30 @@ def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
     m4 = (m + 3) // 4 * 4
     out = x.new_empty((m, n), dtype=torch.float8_e4m3fn)
     return out, torch.empty_strided((m, n // BLOCK), (1, m4), dtype=torch.float32, device=x.device)
+
+
+def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None):
+    """fp8-block linear of bf16 ``x [M, K]`` (bf16 output): the decode GEMV
+    (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs (``M <= 8``), else the
+    activation quantization (:mod:`.act_quant`) and :func:`fp8_block_gemm`. Both compute the same
+    function; operands as :func:`fp8_block_gemm`."""
+    from quantkit.kernels.sm90 import fp8_block_gemv
+    from quantkit.kernels.sm90.act_quant import act_quant
+
+    if epilogue.requant is None and fp8_block_gemv.supports(x.shape[0], w.shape[0], x.shape[1], epilogue):
+        return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
+    return fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, bias, residual)
+
+
+@torch.library.custom_op("quantkit::fp8_block_linear", mutates_args=())
+def fp8_block_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                        residual: torch.Tensor | None = None, activation: str = "identity") -> torch.Tensor:
+    """``torch.library`` op around :func:`fp8_block_linear`: one graph for every M (the choice of
+    kernels happens inside the op)."""
+    epilogue = Epilogue(bias=bias is not None, activation=activation, residual=residual is not None)
+    return fp8_block_linear(x, w, w_scale, epilogue, bias, residual)
+
+
+@fp8_block_linear_op.register_fake
+def _(x, w, w_scale, bias=None, residual=None, activation="identity"):
+    return x.new_empty((x.shape[0], w.shape[0] // (2 if activation == "swiglu" else 1)), dtype=torch.bfloat16)

@@ -71,7 +71,7 @@ class GemvConfig:
         if (epilogue.activation == "swiglu") != (self.tiles == 2):
             raise ValueError("swiglu needs tiles=2 (the gate and up halves of a 128-row group), and only swiglu")
         if epilogue.requant is not None:
-            raise ValueError("the NVFP4 sm90 GEMV writes bf16 only (no requant epilogue)")
+            raise ValueError("the sm90 GEMVs write bf16 only (no requant epilogue)")
 
     def slot_bytes(self) -> int:
         """One ring slot: a weight tile and ``tokens`` activation rows."""
@@ -150,6 +150,8 @@ def _kernel_class():
     class Nvfp4GemvSm90:
         """One (config, epilogue, bias dtype) GEMV; call through ``cute.compile``."""
 
+        copy_16 = staticmethod(cp_async_16)  # for the subclasses' ``issue_weights``
+
         def __init__(self, config: GemvConfig, epilogue: Epilogue, bias_fp32: bool):
             config.check(epilogue)
             self.cfg, self.epi = config, epilogue
@@ -159,9 +161,10 @@ def _kernel_class():
             self.rows = ng.ROWS * config.tiles  # weight rows per CTA
             self.threads = 32 * config.warps
             self.slot = config.slot_bytes()
+            self.x_offset = self.slot - config.tokens * X_ROW  # the activations follow the weight tile
 
         @cute.jit
-        def __call__(self, x_ptr: Int64, tiles_ptr: Int64, gs_ptr: Int64, out_ptr: Int64, bias_ptr: Int64,
+        def __call__(self, x_ptr: Int64, w_ptr: Int64, aux_ptr: Int64, out_ptr: Int64, bias_ptr: Int64,
                      res_ptr: Int64, ws_ptr: Int64, cnt_ptr: Int64, m: Int32, n_pad: Int32, n_out: Int32, k: Int32,
                      stream):
             gmem = cute.AddressSpace.gmem
@@ -169,7 +172,6 @@ def _kernel_class():
             n_rows = n_out * 2 if self.swiglu else n_out
             mOut = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, out_ptr, gmem, assumed_align=2),
                                     cute.make_layout((m, n_out), stride=(n_out, 1)))
-            mGs = cute.make_tensor(cute.make_ptr(Float32, gs_ptr, gmem, assumed_align=4), cute.make_layout(1))
             mBias, mRes = None, None
             if cutlass.const_expr(self.epi.bias):
                 mBias = cute.make_tensor(cute.make_ptr(self.bias_dtype, bias_ptr, gmem, assumed_align=2),
@@ -188,14 +190,14 @@ def _kernel_class():
 
             self.shared_storage = SharedStorage
             cluster = {"cluster": (1, self.cfg.splits, 1)} if self.cfg.cluster else {}
-            self.kernel(x_ptr, tiles_ptr, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
+            self.kernel(x_ptr, w_ptr, aux_ptr, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
                 grid=(n_pad // self.rows, self.cfg.splits, 1), block=[self.threads, 1, 1], stream=stream,
                 use_pdl=self.cfg.pdl, **cluster,
                 # registers for as many CTAs as the shared memory holds; all of it as shared memory
                 min_blocks_per_mp=self.cfg.ctas_per_sm(), preferred_smem_carveout=100)
 
         @cute.kernel
-        def kernel(self, x_ptr: Int64, tiles_ptr: Int64, mGs: cute.Tensor, mOut: cute.Tensor,
+        def kernel(self, x_ptr: Int64, w_ptr: Int64, aux_ptr: Int64, mOut: cute.Tensor,
                    mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
                    m: Int32, n_out: Int32, n_rows: Int32, k: Int32):
             cfg = self.cfg
@@ -215,7 +217,63 @@ def _kernel_class():
             my_lo = lo + grp * span // self.groups
             count = lo + (grp + 1) * span // self.groups - my_lo
             rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
+            ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
 
+            acc = cute.make_rmem_tensor((4, 4), Float32)  # (C register, strip)
+            acc.fill(0.0)
+            frag = self.make_fragments()
+
+            # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
+            if cutlass.const_expr(cfg.pdl):
+                for i in cutlass.range_constexpr(cfg.stages - 1):
+                    if i < count:
+                        self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
+                cute.arch.griddepcontrol_wait()
+            for i in cutlass.range_constexpr(cfg.stages - 1):
+                if i < count:
+                    if cutlass.const_expr(not cfg.pdl):
+                        self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
+                    self.issue_x(ring_addr, x_ptr, my_lo + i, i, lane, m, k)
+                cute.arch.cp_async_commit_group()
+            for i in cutlass.range(count, unroll=1):
+                cute.arch.cp_async_wait_group(cfg.stages - 2)
+                cute.arch.sync_warp()  # every lane's copies of slot i % stages have landed
+                self.load_fragments(frag, storage, i % cfg.stages, warp, lane)
+                # refill the slot read in the previous iteration (its registers are consumed)
+                nxt = i + cfg.stages - 1
+                if nxt < count:
+                    self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
+                    self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
+                cute.arch.cp_async_commit_group()
+                self.accumulate(frag, acc, lane)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()
+            # this warp's partial [64 rows, 8 tokens] into its own ring slot 0 (FP32)
+            ring_words = cfg.stages * self.slot // 4
+            g, c = lane // 4, lane % 4
+            part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
+                                    cute.make_layout((ng.ROWS, MAX_M, cfg.warps), stride=(MAX_M, 1, ring_words)))
+            for s in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    part[16 * s + g + 8 * (j // 2), 2 * c + j % 2, warp] = acc[j, s]
+            cute.arch.sync_threads()
+            if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
+                self.store(storage, tidx, bx, bz, self.alpha(aux_ptr), mOut, mBias, mRes, m, n_out, n_rows)
+            if cutlass.const_expr(cfg.cluster):
+                cute.arch.cluster_wait()  # the peers have read this CTA's partial: its shared memory may go
+
+        # ---- the weight format: NVFP4 tiles of nvfp4_gemm.prepare (the fp8-block GEMV overrides these)
+        def make_fragments(self):
+            """Register fragments of one k-tile: codes (word, half, strip), scales (word, strip),
+            activations (b0 | b1, k16 block)."""
+            return (cute.make_rmem_tensor((4, 2, 4), Uint32), cute.make_rmem_tensor((4, 4), Uint32),
+                    cute.make_rmem_tensor((2, 8), Uint32))
+
+        @cute.jit
+        def load_fragments(self, frag, storage, slot, warp, lane):
+            """Ring slot ``slot`` of warp ``warp`` into the registers ``frag``."""
+            cfg = self.cfg
+            rc, rs, rx = frag
             slot_words = self.slot // 4
             ring_words = cfg.stages * slot_words  # per warp
             words = cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32)
@@ -227,73 +285,42 @@ def _kernel_class():
                 (4, 8, 4, cfg.stages, cfg.warps), stride=(1, 4, 32, slot_words, ring_words)))
             sX = cute.make_tensor(words + ng.TILE_BYTES // 4, cute.make_layout(
                 (cfg.tokens, X_ROW // 4, cfg.stages, cfg.warps), stride=(X_ROW // 4, 1, slot_words, ring_words)))
-            ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
-            w_src = tiles_ptr + Int64(rb * k_tiles) * ng.TILE_BYTES
-
-            acc = cute.make_rmem_tensor((4, 4), Float32)  # (C register, strip)
-            acc.fill(0.0)
-            rc = cute.make_rmem_tensor((4, 2, 4), Uint32)  # (word, half, strip)
-            rs = cute.make_rmem_tensor((4, 4), Uint32)  # (word, strip)
-            rx = cute.make_rmem_tensor((2, 8), Uint32)  # (b0 | b1, k16 block)
             g, c = lane // 4, lane % 4
-
-            # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
-            if cutlass.const_expr(cfg.pdl):
-                for i in cutlass.range_constexpr(cfg.stages - 1):
-                    if i < count:
-                        self.issue_weights(ring_addr, w_src, my_lo + i, i, lane)
-                cute.arch.griddepcontrol_wait()
-            for i in cutlass.range_constexpr(cfg.stages - 1):
-                if i < count:
-                    if cutlass.const_expr(not cfg.pdl):
-                        self.issue_weights(ring_addr, w_src, my_lo + i, i, lane)
-                    self.issue_x(ring_addr, x_ptr, my_lo + i, i, lane, m, k)
-                cute.arch.cp_async_commit_group()
-            for i in cutlass.range(count, unroll=1):
-                cute.arch.cp_async_wait_group(cfg.stages - 2)
-                cute.arch.sync_warp()  # every lane's copies of slot i % stages have landed
-                slot = i % cfg.stages
-                for s in cutlass.range_constexpr(4):
-                    for h in cutlass.range_constexpr(2):
-                        cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
-                    cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
-                if cutlass.const_expr(cfg.tokens < MAX_M):
-                    rx.fill(0)  # tokens past the slot's rows: zero B columns
-                if g < cfg.tokens:
-                    for b in cutlass.range_constexpr(8):
-                        rx[0, b] = sX[g, 8 * b + c, slot, warp]
-                        rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
-                # refill the slot read in the previous iteration (its registers are consumed)
-                nxt = i + cfg.stages - 1
-                if nxt < count:
-                    self.issue_weights(ring_addr, w_src, my_lo + nxt, nxt % cfg.stages, lane)
-                    self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
-                cute.arch.cp_async_commit_group()
-                for b in cutlass.range_constexpr(8):
-                    for s in cutlass.range_constexpr(4):
-                        a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
-                        d = mma_bf16_16816(a, rx[0, b], rx[1, b], [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
-                        for j in cutlass.range_constexpr(4):
-                            acc[j, s] = d[j]
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_warp()
-            # this warp's partial [64 rows, 8 tokens] into its own ring slot 0 (FP32)
-            part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
-                                    cute.make_layout((ng.ROWS, MAX_M, cfg.warps), stride=(MAX_M, 1, ring_words)))
             for s in cutlass.range_constexpr(4):
-                for j in cutlass.range_constexpr(4):
-                    part[16 * s + g + 8 * (j // 2), 2 * c + j % 2, warp] = acc[j, s]
-            cute.arch.sync_threads()
-            if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
-                self.store(storage, tidx, bx, bz, mGs, mOut, mBias, mRes, m, n_out, n_rows)
-            if cutlass.const_expr(cfg.cluster):
-                cute.arch.cluster_wait()  # the peers have read this CTA's partial: its shared memory may go
+                for h in cutlass.range_constexpr(2):
+                    cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
+                cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
+            if cutlass.const_expr(cfg.tokens < MAX_M):
+                rx.fill(0)  # tokens past the slot's rows: zero B columns
+            if g < cfg.tokens:
+                for b in cutlass.range_constexpr(8):
+                    rx[0, b] = sX[g, 8 * b + c, slot, warp]
+                    rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
 
         @cute.jit
-        def issue_weights(self, ring_addr, w_src, kt, slot, lane):
-            """Copies of weight tile ``kt`` into ring slot ``slot``, 16 bytes per lane and copy."""
+        def accumulate(self, frag, acc, lane):
+            """Decode the k-tile's weights in registers and ``acc += w · x`` (``mma.m16n8k16``)."""
+            rc, rs, rx = frag
+            for b in cutlass.range_constexpr(8):
+                for s in cutlass.range_constexpr(4):
+                    a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
+                    d = mma_bf16_16816(a, rx[0, b], rx[1, b], [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
+                    for j in cutlass.range_constexpr(4):
+                        acc[j, s] = d[j]
+
+        @cute.jit
+        def alpha(self, aux_ptr):
+            """The FP32 factor of every sum: the tensor scale times the decode's 2^-7."""
+            gs = cute.make_tensor(cute.make_ptr(Float32, aux_ptr, cute.AddressSpace.gmem, assumed_align=4),
+                                  cute.make_layout(1))
+            return gs[0] * 128.0
+
+        @cute.jit
+        def issue_weights(self, ring_addr, w_ptr, aux_ptr, rb, kt, slot, lane, k):
+            """Copies of row block ``rb``'s prepared weight tile ``kt`` into ring slot ``slot``, 16 bytes
+            per lane and copy."""
             dst = ring_addr + slot * self.slot
-            src = w_src + Int64(kt) * ng.TILE_BYTES
+            src = w_ptr + (Int64(rb) * (k // ng.BK) + kt) * ng.TILE_BYTES
             for q in cutlass.range_constexpr(ng.TILE_BYTES // 512):
                 cp_async_16(dst + (32 * q + lane) * 16, src + (32 * q + lane) * 16, 16)
 
@@ -301,7 +328,7 @@ def _kernel_class():
         def issue_x(self, ring_addr, x_ptr, kt, slot, lane, m, k):
             """Copies of the activations' 128 columns of k-tile ``kt`` into ring slot ``slot`` (rows
             from token ``m`` zero-filled)."""
-            dst = ring_addr + slot * self.slot + ng.TILE_BYTES
+            dst = ring_addr + slot * self.slot + self.x_offset
             for q in cutlass.range_constexpr(-(-self.cfg.tokens * 16 // 32)):
                 chunk = 32 * q + lane
                 tok = chunk // 16
@@ -391,12 +418,11 @@ def _kernel_class():
             return (row % SWIGLU_GROUP) % self.cfg.splits
 
         @cute.jit
-        def store(self, storage, tidx, bx, bz, mGs, mOut, mBias, mRes, m, n_out, n_rows):
-            """alpha, bias, activation, residual on the sums (``fin``, with ``cluster`` the owned rows
+        def store(self, storage, tidx, bx, bz, alpha, mOut, mBias, mRes, m, n_out, n_rows):
+            """``alpha``, bias, activation, residual on the sums (``fin``, with ``cluster`` the owned rows
             of ``fsum``); bf16 stores (consecutive threads: consecutive output columns)."""
             sums = storage.fsum if self.cfg.cluster else storage.fin
             fin = sums.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
-            alpha = mGs[0] * 128.0  # the decode's 2^-7
             cols = SWIGLU_GROUP if self.swiglu else self.rows
             row0 = bx * self.rows
             col0 = bx * SWIGLU_GROUP if self.swiglu else row0
