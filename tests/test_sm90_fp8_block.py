@@ -6,6 +6,7 @@ against the float64 result rounded to the output dtype, and the raw float64 erro
 the bf16 rounding floor.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -252,11 +253,48 @@ def test_gemv_config_rule_and_routing():
     assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
 
 
+def _rn32(x):
+    """Exact rational ``x`` rounded to the nearest FP32 (ties to even; normal range)."""
+    from fractions import Fraction
+
+    if x == 0:
+        return Fraction(0)
+    a = abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    e += 1 if Fraction(2) ** e <= a / 2 else 0
+    e -= 1 if Fraction(2) ** e > a else 0
+    n = a / Fraction(2) ** (e - 23)
+    fl, rem = divmod(n.numerator, n.denominator)
+    if 2 * rem > n.denominator or (2 * rem == n.denominator and fl % 2):
+        fl += 1
+    return (1 if x > 0 else -1) * fl * Fraction(2) ** (e - 23)
+
+
+def test_gemv_division_sequence_is_the_correctly_rounded_quotient():
+    """The GEMV divides ``x / s`` as ``q = RN(x·y)``, ``RN(q + RN(x − s·q)·y)`` with ``y = RN(1/s)``
+    (FMAs round once): in exact rational arithmetic that equals ``RN(x/s)`` for group scales
+    ``s = RN(amax/448)`` and elements ``|x| <= amax`` over 60 octaves, incl. exact quotients."""
+    from fractions import Fraction
+
+    gen = torch.Generator().manual_seed(0)
+    amax = (torch.rand(4000, generator=gen) + 0.5) * 2.0 ** torch.randint(-30, 30, (4000,), generator=gen).float()
+    frac = torch.rand(4000, generator=gen) * 2 - 1
+    frac[::7] = torch.randint(-448, 449, (len(frac[::7]),), generator=gen).float() / 448  # on the E4M3 grid
+    frac[1::11] = 1.0
+    x = (amax * frac).float()
+    for a, xi in zip(amax.tolist(), x.tolist()):
+        s = _rn32(Fraction(a) / 448)
+        y = _rn32(1 / s)
+        q = _rn32(Fraction(xi) * y)
+        assert _rn32(q + _rn32(Fraction(xi) - s * q) * y) == _rn32(Fraction(xi) / s)
+
+
 def test_gemv_compiles_for_sm90a_to_e4m3_mma_sync(tmp_path):
     """The decode GEMV: per k-tile 16 warp-level E4M3 MMAs (4 strips x 4 k32 blocks), 16 weight + the
     activation copies (16 bytes) and one 4-byte scale copy, 16-byte shared loads only (4 per strip
-    and row half, 4 for the activations), the activation rounding as the act-quant kernel's (exact
-    division, 8 words of 4 E4M3 per lane), nothing in local memory, DSMEM loads only in clusters."""
+    and row half, 4 for the activations), the activations rounded as the act-quant kernel does
+    (correctly rounded quotients, 8 words of 4 E4M3 per lane), nothing in local memory, DSMEM loads
+    only in clusters."""
     cases = [(fgv.Fp8GemvConfig(8, 1, 3, 1, 1, pdl=True), Epilogue()),
              (fgv.Fp8GemvConfig(8, 1, 2, 1, 8, pdl=True), GEMV_EPILOGUES[1]),
              (fgv.Fp8GemvConfig(8, 2, 2, 2, 4, pdl=True, cluster=True), GEMV_EPILOGUES[2]),
@@ -269,7 +307,12 @@ def test_gemv_compiles_for_sm90a_to_e4m3_mma_sync(tmp_path):
         assert ptx.count("cp.async.cg.shared.global.L2::128B") == (16 + x_copies) * cfg.stages
         assert ptx.count("cp.async.ca.shared.global") == cfg.stages
         assert ptx.count("ld.shared.v4.b32") == 20
-        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16 and ptx.count("div.rn.f32") >= 32  # 2 per word
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16  # 2 per word
+        # the quotients: per group one division (the scale, amax/448) and one reciprocal, then 2 FMAs
+        # per element; no div.rn per element (its slow path takes every zero dividend); the other
+        # divisions are the epilogue's activation
+        assert len(re.findall(r"div\.rn\.f32\s+%r\d+, %r\d+, 0f43E00000;", ptx)) == 1 and ptx.count("div.rn.f32") < 8
+        assert ptx.count("rcp.rn.f32") == 1 and ptx.count("fma.rn.f32 r, nb, q") == 32
         assert "div.approx" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
         assert ptx.count("ld.shared::cluster.f32") == (
             cfg.splits * 64 * cfg.tiles * 8 // (32 * cfg.warps) if cfg.cluster else 0)
