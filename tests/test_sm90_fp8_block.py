@@ -230,19 +230,26 @@ GEMV_EPILOGUES = [Epilogue(), Epilogue(bias=True, activation="gelu_tanh", residu
 
 
 def test_gemv_config_rule_and_routing():
-    """8 warps with PDL, slots for the next power of two of M, a K-split only as a cluster (narrow,
-    deep weights), 3 stages only where they fit one CTA per SM within one wave; the linear entry
-    point takes the GEMV for 1..8 tokens without requant and the GEMM otherwise."""
-    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2112, 7168), (7168, 16384)):
+    """PDL, slots for the next power of two of M, the deepest ring that fits; one wave: 8 warps, a
+    K-split only as a cluster (narrow, deep weights); 1-4 waves: 4-warp CTAs two per SM; more: 8
+    warps. The linear entry point takes the GEMV for 1..8 tokens without requant, else the GEMM."""
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2112, 7168), (7168, 16384),
+                 (10240, 8192), (57344, 8192)):
         for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
             for m in (1, 3, 8):
                 cfg = fgv.pick_gemv_config(m, n, k, epi)
                 cfg.check(epi)
-                assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
-                assert cfg.cluster == (cfg.splits > 1)
+                ctas = n // (64 * cfg.tiles)
+                assert cfg.pdl and cfg.tokens == {1: 1, 3: 4, 8: 8}[m] and cfg.cluster == (cfg.splits > 1)
                 assert cfg.smem_bytes() <= 227 * 1024
-    assert fgv.pick_gemv_config(1, 4096, 14336, Epilogue()).splits == 2
-    assert fgv.pick_gemv_config(1, 28672, 4096, Epilogue()).splits == 1
+                assert cfg.warps == (4 if 132 < ctas <= 4 * 132 else 8)
+                assert cfg.warps == 8 or cfg.ctas_per_sm() == 2
+    rule = {(n, k, m): (c.warps, c.stages, c.splits) for n, k, m in
+            ((4096, 4096, 1), (4096, 7168, 1), (6144, 4096, 1), (28672, 4096, 1), (28672, 4096, 8),
+             (57344, 8192, 1), (57344, 8192, 8)) for c in [fgv.pick_gemv_config(m, n, k, Epilogue())]}
+    assert rule == {(4096, 4096, 1): (8, 3, 2), (4096, 7168, 1): (8, 3, 2), (6144, 4096, 1): (8, 3, 1),
+                    (28672, 4096, 1): (4, 3, 1), (28672, 4096, 8): (4, 2, 1), (57344, 8192, 1): (8, 3, 1),
+                    (57344, 8192, 8): (8, 2, 1)}
     with pytest.raises(ValueError):
         fgv.Fp8GemvConfig(8, 1, 2, 2, 1, cluster=False).check(Epilogue())  # no split-K turnstile here
     with pytest.raises(ValueError):

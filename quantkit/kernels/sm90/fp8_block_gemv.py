@@ -58,18 +58,31 @@ class Fp8GemvConfig(gv.GemvConfig):
 
 
 def pick_gemv_config(m: int, n: int, k: int, epilogue: Epilogue, num_sms: int = 132) -> Fp8GemvConfig:
-    """The GEMV config for ``m`` tokens: 8 warps, PDL, ring slots for the next power of two of
-    ``m``; a 2-way K-split cluster when the weight has at most half a CTA per SM and each warp runs
-    >= 12 k-tiles (the NVFP4 GEMV's rule); 3 stages where they fit the shared memory and the grid
-    one wave, else 2."""
+    """The GEMV config for ``m`` tokens (rules fitted to the H200 sweep of
+    ``benchmarks/gemv_fp8_block.py --tune``, ``benchmarks/notes/fp8_block.md`` v7): PDL, ring slots
+    for the next power of two of ``m``, the deepest ring (3 or 2 slots) the shape allows.
+
+    * The grid fits one wave of 8-warp CTAs (one per SM): 8 warps; where it fills at most half the
+      SMs and each warp keeps >= 4 k-tiles, a 2-way K-split cluster doubles it.
+    * 1-4 waves: 4-warp CTAs, two per SM (half the wave-quantization tail).
+    * More: 8 warps."""
     tiles = 2 if epilogue.activation == "swiglu" else 1
-    ctas = n // (ROWS * tiles)
-    splits = 2 if (2 * ctas <= num_sms and (k // BK) // (8 // tiles) >= 12) else 1
     tokens = 1 << max(0, m - 1).bit_length()
-    deep = Fp8GemvConfig(8, tiles, 3, splits, tokens, pdl=True, cluster=splits > 1)
-    if deep.smem_bytes() <= gv._SMEM and ctas * splits <= num_sms:
-        return deep
-    return Fp8GemvConfig(8, tiles, 2, splits, tokens, pdl=True, cluster=splits > 1)
+    ctas = n // (ROWS * tiles)
+
+    def deepest(warps: int, splits: int = 1, per_sm: int = 1) -> Fp8GemvConfig | None:
+        for stages in (3, 2):
+            cfg = Fp8GemvConfig(warps, tiles, stages, splits, tokens, pdl=True, cluster=splits > 1)
+            if cfg.smem_bytes() <= gv._SMEM and cfg.ctas_per_sm() >= per_sm:
+                return cfg
+        return None
+
+    if ctas <= num_sms:
+        splits = 2 if (2 * ctas <= num_sms and (k // BK) // (8 // tiles) >= 4) else 1
+        return deepest(8, splits)
+    if ctas <= 4 * num_sms:
+        return deepest(4, per_sm=2) or deepest(8)
+    return deepest(8)
 
 
 # ---------------------------------------------------------------------------------------- kernel
