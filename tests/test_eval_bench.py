@@ -94,7 +94,9 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
         assert len(model["gemms"]) == 8 * 2
         for r in model["gemms"]:
             assert r["tflops"] == pytest.approx(2 * r["m"] * r["n"] * r["k"] / r["seconds"] / 1e12)
+            assert r["cuda_graph"] is False  # CPU: eager calls, and the report says so
     markdown = (tmp_path / "bench.md").read_text()
+    assert "| nvfp4 | 16 of 16 |" in markdown and "GEMMs timed as eager calls" in markdown
     assert "| batch | seq | bf16 tok/s | nvfp4 tok/s | nvfp4 × |" in markdown
     assert "| mlp.down_proj | 256 | 512 | 8 |" in markdown
     assert (tmp_path / "bench_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

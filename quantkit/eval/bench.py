@@ -6,7 +6,9 @@
   per step (greedy, fed back), tokens/s = batch / time per step; on CUDA each step is a captured
   CUDA graph (falls back to eager, with the reason, where capture fails);
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
-  ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models.
+  ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models;
+  on CUDA each call is a captured CUDA graph, so the time is the kernels' (host launch excluded;
+  eager calls, host time included, where capture fails).
 
 Times are medians over ``iters`` runs after ``warmup`` runs; CUDA times come from CUDA events,
 each run starting with a flushed L2.
@@ -72,7 +74,8 @@ class DecodeResult:
 @dataclass(frozen=True)
 class GemmResult:
     """One linear layer (``layer`` names it inside decoder layer 0, or ``lm_head``) on ``[m, k]``
-    inputs giving ``[m, n]``: seconds per call and TFLOP/s (``2 m n k`` FLOPs)."""
+    inputs giving ``[m, n]``: seconds per call and TFLOP/s (``2 m n k`` FLOPs), whether the call
+    was timed as a CUDA graph replay."""
 
     layer: str
     n: int
@@ -80,6 +83,7 @@ class GemmResult:
     m: int
     seconds: float
     tflops: float
+    cuda_graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,15 +256,22 @@ def layer0_linears(model: PreTrainedModel) -> dict[str, torch.nn.Module]:
 
 @torch.inference_mode()
 def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmResult]:
-    """Time each of :func:`layer0_linears` on ``[M, K]`` bf16 inputs for M in ``settings.gemm_m``."""
+    """Time each of :func:`layer0_linears` on ``[M, K]`` bf16 inputs for M in ``settings.gemm_m``
+    (CUDA-graph replays on CUDA with ``settings.cuda_graphs``, else eager calls)."""
     device = model_device(model)
     results = []
     for name, module in layer0_linears(model).items():
         n, k = module.out_features, module.in_features
         for m in settings.gemm_m:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-            seconds = time_call(lambda: module(x), warmup=settings.warmup, iters=settings.iters, device=device)
-            results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12))
+            call, graph = (lambda: module(x)), False
+            if device.type == "cuda" and settings.cuda_graphs:
+                try:  # replays time the kernels, not the host's launch path
+                    call, graph = capture_graph(call, settings.warmup).replay, True
+                except RuntimeError:
+                    pass
+            seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device)
+            results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12, graph))
     return results
 
 

@@ -167,6 +167,11 @@ def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> 
             ["model", "batches", "why"],
             [[model, ", ".join(batches), why] for (model, why), batches in eager.items()],
         )
+    eager_gemms = [[b.model, f"{sum(not r.cuda_graph for r in b.gemms)} of {len(b.gemms)}"]
+                   for b in benches if any(not r.cuda_graph for r in b.gemms)]
+    if eager_gemms:
+        tables["GEMMs timed as eager calls (host launch time included; the rest: CUDA-graph replays)"] = (
+            ["model", "calls"], eager_gemms)
     return tables
 
 
