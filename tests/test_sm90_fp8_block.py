@@ -429,17 +429,23 @@ def test_gpu_torch_compile_and_cuda_graph_no_recompile():
         xq, xs = torch.ops.quantkit.fp8_act_quant(x)
         return torch.ops.quantkit.fp8_block_gemm(xq, xs, wq, ws, None, None, "silu")
 
+    _check_one_graph_and_cuda_graph(layer, k, gen, (3, 17, 300), 64)
+
+
+def _check_one_graph_and_cuda_graph(layer, k, gen, ms, graph_m):
+    """``layer`` compiled with dynamic shapes equals eager at each M of ``ms`` in one graph, and
+    captured in a CUDA graph at ``graph_m`` rows it equals eager on new inputs."""
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)
-    for m in (3, 17, 300):
+    for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         assert torch.equal(compiled(x), layer(x))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
-    x = torch.randn(64, k, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(graph_m, k, generator=gen, device="cuda").to(torch.bfloat16)
     static_out = layer(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = layer(x)
-    x.copy_(torch.randn(64, k, generator=gen, device="cuda").to(torch.bfloat16))
+    x.copy_(torch.randn(graph_m, k, generator=gen, device="cuda").to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, layer(x))
@@ -513,17 +519,4 @@ def test_gpu_linear_op_one_graph_for_every_m_and_cuda_graph_decode():
     def layer(x):
         return torch.ops.quantkit.fp8_block_linear(x, wq, ws, None, None, "silu")
 
-    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
-    for m in (3, 8, 17, 300):
-        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-        assert torch.equal(compiled(x), layer(x))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
-    x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
-    static_out = layer(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(x)
-    x.copy_(torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, layer(x))
+    _check_one_graph_and_cuda_graph(layer, k, gen, (3, 8, 17, 300), 1)

@@ -133,19 +133,6 @@ def _kernel_class():
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
             "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip))
 
-    @dsl_user_op
-    def mma_e4m3_16832(a, b0, b1, c, *, loc=None, ip=None):
-        """``mma.sync.m16n8k32`` E4M3 x E4M3 + FP32: A registers ``a`` (4), B ``b0, b1``, C ``c``
-        (4 FP32); returns D (4 FP32)."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.f32()] * 4),
-            [Uint32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)]
-            + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
-            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-            "{$10, $11, $12, $13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
-        return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
     class Fp8BlockGemvSm90(gv._kernel_class()):
         """One (config, epilogue, bias dtype) fp8-block GEMV; call through ``cute.compile``."""
 
@@ -227,8 +214,9 @@ def _kernel_class():
                 d = [Float32(0.0)] * 4
                 for b in cutlass.range_constexpr(4):
                     j, w = b // 2, 2 * (b % 2)  # bytes 8b .. 8b+7 of the lane's 32: chunk j, words w, w+1
-                    d = mma_e4m3_16832([ra[w, j, 0, s], ra[w, j, 1, s], ra[w + 1, j, 0, s], ra[w + 1, j, 1, s]],
-                                       rq[2 * b], rq[2 * b + 1], d)
+                    d = self.mma("m16n8k32.row.col.f32.e4m3.e4m3.f32",
+                                 [ra[w, j, 0, s], ra[w, j, 1, s], ra[w + 1, j, 0, s], ra[w + 1, j, 1, s]],
+                                 rq[2 * b], rq[2 * b + 1], d)
                 for i in cutlass.range_constexpr(4):
                     acc[i, s] = acc[i, s] + d[i] * fac[i % 2]
 

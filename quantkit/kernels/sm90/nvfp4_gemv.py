@@ -135,15 +135,14 @@ def _kernel_class():
             has_side_effects=True, loc=loc, ip=ip))
 
     @dsl_user_op
-    def mma_bf16_16816(a, b0, b1, c, *, loc=None, ip=None):
-        """``mma.sync.m16n8k16`` bf16 x bf16 + FP32: A registers ``a`` (4), B ``b0, b1``, C ``c`` (4 FP32);
-        returns D (4 FP32)."""
+    def mma_sync(shape_types: str, a, b0, b1, c, *, loc=None, ip=None):
+        """``mma.sync.aligned.<shape_types>`` (e.g. ``m16n8k16.row.col.f32.bf16.bf16.f32``), FP32
+        accumulate: A registers ``a`` (4), B ``b0, b1``, C ``c`` (4 FP32); returns D (4 FP32)."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.f32()] * 4),
             [Uint32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)]
             + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-            "{$10, $11, $12, $13};",
+            f"mma.sync.aligned.{shape_types} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, {{$10, $11, $12, $13}};",
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
         return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -151,6 +150,7 @@ def _kernel_class():
         """One (config, epilogue, bias dtype) GEMV; call through ``cute.compile``."""
 
         copy_16 = staticmethod(cp_async_16)  # for the subclasses' ``issue_weights``
+        mma = staticmethod(mma_sync)  # and their ``accumulate``
 
         def __init__(self, config: GemvConfig, epilogue: Epilogue, bias_fp32: bool):
             config.check(epilogue)
@@ -304,7 +304,8 @@ def _kernel_class():
             for b in cutlass.range_constexpr(8):
                 for s in cutlass.range_constexpr(4):
                     a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
-                    d = mma_bf16_16816(a, rx[0, b], rx[1, b], [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
+                    d = mma_sync("m16n8k16.row.col.f32.bf16.bf16.f32", a, rx[0, b], rx[1, b],
+                                 [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
                     for j in cutlass.range_constexpr(4):
                         acc[j, s] = d[j]
 
