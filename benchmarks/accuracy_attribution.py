@@ -10,6 +10,8 @@ metrics of ``accuracy_gemma.py`` (WikiText-2 perplexity, first 10×512 tokens; L
   SmoothQuant smoothing, so the calibrated static scales of the quantized model do not apply).
 
 Run: ``python benchmarks/accuracy_attribution.py --format fp8-block --out results/X.json`` (CPU, ~12 min).
+``--linears q_proj,k_proj,v_proj down_proj ...`` adds one "activations only" evaluation per group,
+quantizing only the inputs of the linears whose names end with one of the group's suffixes.
 """
 import argparse
 import copy
@@ -40,13 +42,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--format", default="fp8-block")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="evaluations to run (others are kept from --out)")
+    p.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS, help="evaluations to run (others are kept from --out)")
+    p.add_argument("--linears", nargs="*", default=[], metavar="SUFFIXES",
+                   help="comma-separated name suffixes per extra 'activations only' evaluation")
     args = p.parse_args()
     torch.manual_seed(0)
     base, tokenizer = load_model("demo", dtype=torch.float32)
     windows, requests = wikitext_windows(tokenizer, 10, 512), lambada_requests(tokenizer, 300)
     calib = token_samples(load_texts(None, tokenizer), tokenizer, num_samples=16, seq_len=256)
-    results = {k: v for k, v in json.loads(args.out.read_text()).items() if k in PARTS} if args.out.exists() else {}
+    results = {k: v for k, v in json.loads(args.out.read_text()).items() if k != "format"} if args.out.exists() else {}
 
     def record(key: str, model) -> None:
         t = time.time()
@@ -63,6 +67,13 @@ def main() -> None:
         quantize(model, Recipe(args.format), calib, batch_size=8)
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     qdq = act.qdq
+    for group in args.linears:
+        suffixes = tuple(group.split(","))
+        hooks = [base.get_submodule(n).register_forward_pre_hook(lambda m, a: (qdq(a[0]).to(a[0].dtype), *a[1:]))
+                 for n in names if n.endswith(suffixes)]
+        record(f"activations only: {group}", base)
+        for h in hooks:
+            h.remove()
     if "weights only" in args.parts:
         act.qdq = lambda x, input_scale=None: x
         try:

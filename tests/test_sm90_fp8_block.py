@@ -232,15 +232,15 @@ GEMV_EPILOGUES = [Epilogue(), Epilogue(bias=True, activation="gelu_tanh", residu
 def test_gemv_config_rule_and_routing():
     """PDL, slots for the next power of two of M, the deepest ring that fits; one wave: 8 warps, a
     K-split only as a cluster (narrow, deep weights); 1-4 waves: 4-warp CTAs two per SM; more: 8
-    warps. The linear entry point takes the GEMV for 1..8 tokens without requant, else the GEMM."""
+    warps. The linear entry point takes the GEMV for 1..16 tokens without requant, else the GEMM."""
     for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (2112, 7168), (7168, 16384),
                  (10240, 8192), (57344, 8192)):
         for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
-            for m in (1, 3, 8):
+            for m in (1, 3, 8, 12):
                 cfg = fgv.pick_gemv_config(m, n, k, epi)
                 cfg.check(epi)
                 ctas = n // (64 * cfg.tiles)
-                assert cfg.pdl and cfg.tokens == {1: 1, 3: 4, 8: 8}[m] and cfg.cluster == (cfg.splits > 1)
+                assert cfg.pdl and cfg.tokens == {1: 1, 3: 4, 8: 8, 12: 16}[m] and cfg.cluster == (cfg.splits > 1)
                 assert cfg.smem_bytes() <= 227 * 1024
                 assert cfg.warps == (4 if 132 < ctas <= 4 * 132 else 8)
                 assert cfg.warps == 8 or cfg.ctas_per_sm() == 2
@@ -255,7 +255,11 @@ def test_gemv_config_rule_and_routing():
     with pytest.raises(ValueError):
         fgv.Fp8GemvConfig(8, 1, 4, 1, 8).check(Epilogue())  # 8 warps x 4 slots of 8 tokens exceed smem
     assert fgv.supports(1, 4096, 4096, Epilogue()) and fgv.supports(8, 320, 640, Epilogue())
-    assert not fgv.supports(9, 4096, 4096, Epilogue())
+    assert fgv.supports(16, 4096, 4096, Epilogue()) and not fgv.supports(17, 4096, 4096, Epilogue())
+    # 9-16 tokens only on one-wave weights (64-row tiles; 128-row gate/up pairs for SwiGLU)
+    assert fgv.use_gemv(8, 28672, Epilogue(), 132) and fgv.use_gemv(16, 8192, Epilogue(), 132)
+    assert not fgv.use_gemv(16, 28672, Epilogue(), 132) and not fgv.use_gemv(9, 8512, Epilogue(), 132)
+    assert fgv.use_gemv(12, 16384, Epilogue(activation="swiglu"), 132)
     assert not fgv.supports(1, 4096, 4096, Epilogue(requant="fp8-block"))
     assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
 
@@ -297,32 +301,34 @@ def test_gemv_division_sequence_is_the_correctly_rounded_quotient():
 
 
 def test_gemv_compiles_for_sm90a_to_e4m3_mma_sync(tmp_path):
-    """The decode GEMV: per k-tile 16 warp-level E4M3 MMAs (4 strips x 4 k32 blocks), 16 weight + the
-    activation copies (16 bytes) and one 4-byte scale copy, 16-byte shared loads only (4 per strip
-    and row half, 4 for the activations), the activations rounded as the act-quant kernel does
-    (correctly rounded quotients, 8 words of 4 E4M3 per lane), nothing in local memory, DSMEM loads
-    only in clusters."""
+    """The decode GEMV, per k-tile and 8-token fragment (two for 9-16 tokens): 16 warp-level E4M3
+    MMAs (4 strips x 4 k32 blocks), 8 words of 4 E4M3 per lane from correctly rounded quotients (one
+    division and one reciprocal per group, two FMAs per element: the act-quant kernel's rounding);
+    16 weight + the activation copies (16 bytes) and one 4-byte scale copy; 16-byte shared loads
+    only (the weight tile's 4 per strip, 4 per fragment for the activations); nothing in local
+    memory; DSMEM loads only in clusters."""
     cases = [(fgv.Fp8GemvConfig(8, 1, 3, 1, 1, pdl=True), Epilogue()),
              (fgv.Fp8GemvConfig(8, 1, 2, 1, 8, pdl=True), GEMV_EPILOGUES[1]),
+             (fgv.Fp8GemvConfig(8, 1, 2, 1, 16, pdl=True), GEMV_EPILOGUES[1]),
              (fgv.Fp8GemvConfig(8, 2, 2, 2, 4, pdl=True, cluster=True), GEMV_EPILOGUES[2]),
              (fgv.Fp8GemvConfig(4, 1, 3, 4, 2, cluster=True), GEMV_EPILOGUES[3])]
     for i, (cfg, epi) in enumerate(cases):
         ptx = _ptx(tmp_path, f"gemv{i}", lambda opts: fgv.compile_gemv(cfg, epi, arch="sm_90a", options=opts))
+        nf = cfg.tile_tokens // 8
         assert ".target sm_90a" in ptx and "wgmma" not in ptx
-        assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16
+        assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16 * nf
         x_copies = -(-cfg.tokens * 16 // 32)
         assert ptx.count("cp.async.cg.shared.global.L2::128B") == (16 + x_copies) * cfg.stages
         assert ptx.count("cp.async.ca.shared.global") == cfg.stages
-        assert ptx.count("ld.shared.v4.b32") == 20
-        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16  # 2 per word
-        # the quotients: per group one division (the scale, amax/448) and one reciprocal, then 2 FMAs
-        # per element; no div.rn per element (its slow path takes every zero dividend); the other
-        # divisions are the epilogue's activation
-        assert len(re.findall(r"div\.rn\.f32\s+%r\d+, %r\d+, 0f43E00000;", ptx)) == 1 and ptx.count("div.rn.f32") < 8
-        assert ptx.count("rcp.rn.f32") == 1 and ptx.count("fma.rn.f32 r, nb, q") == 32
+        assert ptx.count("ld.shared.v4.b32") == 16 + 4 * nf
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16 * nf  # 2 per word
+        # no div.rn per element (its slow path takes every zero dividend); the other divisions are
+        # the epilogue's activation
+        assert len(re.findall(r"div\.rn\.f32\s+%r\d+, %r\d+, 0f43E00000;", ptx)) == nf and ptx.count("div.rn.f32") < 8
+        assert ptx.count("rcp.rn.f32") == nf and ptx.count("fma.rn.f32 r, nb, q") == 32 * nf
         assert "div.approx" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
         assert ptx.count("ld.shared::cluster.f32") == (
-            cfg.splits * 64 * cfg.tiles * 8 // (32 * cfg.warps) if cfg.cluster else 0)
+            cfg.splits * 64 * cfg.tiles * cfg.tile_tokens // (32 * cfg.warps) if cfg.cluster else 0)
         assert ("griddepcontrol.wait" in ptx) == cfg.pdl
 
 
@@ -467,7 +473,7 @@ def _gemv_inputs(m, n, k, gen, epi):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 16])
 @pytest.mark.parametrize(("n", "k"), [(256, 512), (4096, 1536), (320, 640), (2112, 7168), (512, 16384)])
 def test_gpu_gemv_matches_float64(m, n, k):
     """The GEMV (its activation quantization included) against float64 math on the float64-rule
@@ -477,7 +483,7 @@ def test_gpu_gemv_matches_float64(m, n, k):
     xq, xs = fp8_block_quant_f64(x.cpu())
     ref = gemm_f64(xq.cuda(), xs.cuda(), wq, ws, Epilogue())
     tokens = 1 << (m - 1).bit_length()
-    configs = {fgv.pick_gemv_config(m, n, k, Epilogue()), fgv.Fp8GemvConfig(8, 1, 2, 1, 8),
+    configs = {fgv.pick_gemv_config(m, n, k, Epilogue()), fgv.Fp8GemvConfig(8, 1, 2, 1, max(8, tokens)),
                fgv.Fp8GemvConfig(4, 1, 3, 1, tokens, pdl=True), fgv.Fp8GemvConfig(8, 1, 2, 2, tokens, cluster=True),
                fgv.Fp8GemvConfig(8, 1, 2, 4, tokens, pdl=True, cluster=True)}
     for cfg in sorted(configs, key=str):
@@ -490,7 +496,7 @@ def test_gpu_gemv_matches_float64(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("epi", GEMV_EPILOGUES, ids=str)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
 def test_gpu_gemv_epilogues_match_float64_and_the_gemm_path(m, epi):
     n, k = 512, 2048
     gen = torch.Generator("cuda").manual_seed(m + 29)
@@ -503,7 +509,9 @@ def test_gpu_gemv_epilogues_match_float64_and_the_gemm_path(m, epi):
     assert got.shape == (m, n_out) and not got.isnan().any()
     assert _rel(got, ref.to(torch.bfloat16)) < 1e-3
     two_kernels = fbg.fp8_block_gemm(*aq.act_quant(x), wq, ws, epi, bias, res)
-    assert _rel(got, two_kernels) < 1e-3
+    # each within 1e-3 of the rounded reference, so within 2e-3 of each other (measured: up to 1.2e-3
+    # with SwiGLU, whose GEMM epilogue uses fast-math exp/reciprocal)
+    assert _rel(got, two_kernels) < 2e-3
 
 
 @pytest.mark.gpu
@@ -519,4 +527,4 @@ def test_gpu_linear_op_one_graph_for_every_m_and_cuda_graph_decode():
     def layer(x):
         return torch.ops.quantkit.fp8_block_linear(x, wq, ws, None, None, "silu")
 
-    _check_one_graph_and_cuda_graph(layer, k, gen, (3, 8, 17, 300), 1)
+    _check_one_graph_and_cuda_graph(layer, k, gen, (3, 8, 16, 17, 300), 1)

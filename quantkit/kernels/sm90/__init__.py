@@ -3,7 +3,7 @@
 Importing this package costs no CuTeDSL import or compilation: each backend imports its kernel
 module on first use.
 
-* ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`, or for ``M <= 8`` the
+* ``sm90-fp8-block`` — :mod:`.fp8_block_gemm` fed by :mod:`.act_quant`, or for ``M <= 16`` the
   decode GEMV :mod:`.fp8_block_gemv` (activations quantized in-kernel): ``fp8-block`` weights,
   bf16 activations quantized per 1x128 group on the fly; epilogues bias, activation (incl.
   interleaved SwiGLU), residual, requant to ``fp8-block`` (GEMM only).
@@ -38,7 +38,7 @@ def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epil
 
 def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
                   input_scale=None):
-    """``x [..., K]`` bf16 -> fp8-block linear + ``epilogue`` (the decode GEMV for ``M <= 8``, else
+    """``x [..., K]`` bf16 -> fp8-block linear + ``epilogue`` (the decode GEMV for ``M <= 16``, else
     act_quant and the GEMM): bf16 ``[..., N]``, or for requant the pair (FP8 ``[M, N]``, FP32 scales
     ``[M, N/128]``) over the flattened rows."""
     from quantkit.kernels.sm90.act_quant import act_quant_op

@@ -816,15 +816,24 @@ def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
     return out, torch.empty_strided((m, n // BLOCK), (1, m4), dtype=torch.float32, device=x.device)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None):
     """fp8-block linear of bf16 ``x [M, K]`` (bf16 output): the decode GEMV
-    (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs (``M <= 8``), else the
+    (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs and is the faster
+    (:func:`.fp8_block_gemv.use_gemv`: up to 8 tokens, or 16 on one-wave weights), else the
     activation quantization (:mod:`.act_quant`) and :func:`fp8_block_gemm`. Both compute the same
     function; operands as :func:`fp8_block_gemm`."""
     from quantkit.kernels.sm90 import fp8_block_gemv
     from quantkit.kernels.sm90.act_quant import act_quant
 
-    if epilogue.requant is None and fp8_block_gemv.supports(x.shape[0], w.shape[0], x.shape[1], epilogue):
+    m, k = x.shape
+    n = w.shape[0]
+    if (epilogue.requant is None and fp8_block_gemv.supports(m, n, k, epilogue)
+            and fp8_block_gemv.use_gemv(m, n, epilogue, _num_sms(x.device))):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
     return fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, bias, residual)
 

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) decode GEMV on fp8-block weights (``M <= 8`` tokens), in CuTeDSL.
+"""Hopper (sm_90a) decode GEMV on fp8-block weights (``M <= 16`` tokens), in CuTeDSL.
 
 Computes what :mod:`.act_quant` followed by :mod:`.fp8_block_gemm` computes, in one kernel that
 reads bf16 activations: per 1x128 group the activations are quantized in registers exactly as the
@@ -23,7 +23,8 @@ GEMV's (:mod:`.nvfp4_gemv`); this module supplies the weight format:
 * the MMA's K order is permuted (the same way for both operands): lane ``(g, c)`` owns bytes
   ``32c .. 32c+31`` of each 128-byte row, so its A fragments are two 16-byte loads per row and its B
   fragments are the 32 activations of token ``g`` it quantizes itself (the group amax is a
-  2-step shuffle over the 4 lanes of the token).
+  2-step shuffle over the 4 lanes of the token); with 9-16 tokens a second 8-token fragment
+  (token ``g + 8``) reuses each A fragment.
 """
 from __future__ import annotations
 
@@ -40,12 +41,20 @@ BK = 128  # K per k-tile: one activation group, one weight-scale block
 ROWS = 64  # weight rows per warp tile
 W_TILE = ROWS * BK  # FP8 weight bytes of a tile
 SLOT_HEAD = W_TILE + 16  # + the tile's weight-block scale (16 bytes keep the activations aligned)
-MAX_M = gv.MAX_M
+FRAG = gv.MAX_M  # tokens per MMA fragment (the MMA N)
+MAX_M = 2 * FRAG  # tokens: two fragments
 
 
 @dataclass(frozen=True)
 class Fp8GemvConfig(gv.GemvConfig):
-    """:class:`.nvfp4_gemv.GemvConfig` with fp8-block ring slots; K-splits only as clusters."""
+    """:class:`.nvfp4_gemv.GemvConfig` with fp8-block ring slots, up to 16 tokens (two 8-token MMA
+    fragments); K-splits only as clusters."""
+
+    TOKENS = (1, 2, 4, 8, 16)
+
+    @property
+    def tile_tokens(self) -> int:
+        return MAX_M if self.tokens > FRAG else FRAG
 
     def check(self, epilogue: Epilogue) -> None:
         super().check(epilogue)
@@ -137,10 +146,10 @@ def _kernel_class():
         """One (config, epilogue, bias dtype) fp8-block GEMV; call through ``cute.compile``."""
 
         def make_fragments(self):
-            """Registers of one k-tile: A words (word, 16-byte chunk, row half, strip), the thread's
-            32 quantized activations (8 words), the promotion factors of its two token columns."""
-            return (cute.make_rmem_tensor((4, 2, 2, 4), Uint32), cute.make_rmem_tensor((8,), Uint32),
-                    cute.make_rmem_tensor((2,), Float32))
+            """Registers of one k-tile, per 8-token fragment: the lane's 32 quantized activations
+            (8 words) and the promotion factors of its two token columns."""
+            nf = self.mt // FRAG
+            return cute.make_rmem_tensor((8, nf), Uint32), cute.make_rmem_tensor((2, nf), Float32)
 
         @cute.jit
         def issue_weights(self, ring_addr, w_ptr, aux_ptr, rb, kt, slot, lane, k):
@@ -156,69 +165,79 @@ def _kernel_class():
             if lane == 0:
                 cp_async_4(dst + W_TILE, aux_ptr + (Int64(rb // 2) * (k // BK) + kt) * 4)
 
-        @cute.jit
-        def load_fragments(self, frag, storage, slot, warp, lane):
-            """The weight fragments of ring slot ``slot``, and its activations quantized per token
-            (lane ``(g, c)``: token ``g``, elements ``32c .. 32c+31``) with the promotion factors."""
+        def ring_views(self, storage):
+            """The ring as (word, chunk, row, slot, warp) weight tiles, (word, chunk, lane c, token,
+            slot, warp) activations and (slot, warp) weight-block scales."""
             cfg = self.cfg
-            ra, rq, fac = frag
             slot_words = self.slot // 4
             ring_words = cfg.stages * slot_words
             words = cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32)
-            # (word, chunk, row, slot, warp) of the weight tile; (word, chunk, lane c, token, slot, warp)
-            # of the activations
             sW = cute.make_tensor(words, cute.make_layout((4, 8, ROWS, cfg.stages, cfg.warps),
                                                           stride=(1, 4, BK // 4, slot_words, ring_words)))
             sX = cute.make_tensor(words + self.x_offset // 4, cute.make_layout(
                 (4, 4, 4, cfg.tokens, cfg.stages, cfg.warps), stride=(1, 4, 16, gv.X_ROW // 4, slot_words, ring_words)))
             w_scale = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32) + W_TILE // 4,
                                        cute.make_layout((cfg.stages, cfg.warps), stride=(slot_words, ring_words)))
-            g, c = lane // 4, lane % 4
-            for s in cutlass.range_constexpr(4):
-                for h in cutlass.range_constexpr(2):
-                    for j in cutlass.range_constexpr(2):
-                        cute.autovec_copy(sW[None, (2 * c + j) ^ g, 16 * s + 8 * h + g, slot, warp], ra[None, j, h, s])
-            xw = cute.make_rmem_tensor((4, 4), Uint32)  # 32 bf16 of token g (zero past the slot's tokens)
-            if cutlass.const_expr(cfg.tokens < MAX_M):
-                xw.fill(0)
-            if g < cfg.tokens:
-                for q in cutlass.range_constexpr(4):
-                    cute.autovec_copy(sX[None, q, c, g, slot, warp], xw[None, q])
-            xv = cute.make_rmem_tensor((32,), Float32)
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(16):
-                word = xw[i % 4, i // 4]
-                xv[2 * i] = bf16_bits_to_f32(word << 16)
-                xv[2 * i + 1] = bf16_bits_to_f32(word & Uint32(0xFFFF0000))
-                for e in cutlass.range_constexpr(2):
-                    amax = cute.arch.fmax(amax, cute.arch.fmax(xv[2 * i + e], -xv[2 * i + e]))
-            for b in cutlass.range_constexpr(2):  # the 4 lanes of token g hold its 128 elements
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
-            num = amax  # s = amax/448, 1 for an all-zero group (selected before dividing: no zero dividend)
-            if amax == 0.0:
-                num = Float32(FP8_MAX)
-            scale = num / FP8_MAX
-            inv = rcp_rn(scale)
-            for w in cutlass.range_constexpr(8):
-                rq[w] = pack_e4m3x4(*[_clamp_fp8(div_rn(xv[4 * w + i], scale, inv)) for i in range(4)])
-            ws = w_scale[slot, warp]
-            fac[0] = cute.arch.shuffle_sync(scale, 8 * c) * ws  # token 2c's scale (lane 4 * 2c)
-            fac[1] = cute.arch.shuffle_sync(scale, 8 * c + 4) * ws
+            return sW, sX, w_scale
 
         @cute.jit
-        def accumulate(self, frag, acc, lane):
-            """Per strip: the k-tile's four ``m16n8k32`` MMAs into a fresh accumulator, promoted into
-            ``acc`` with the tokens' activation scales times the weight-block scale."""
-            ra, rq, fac = frag
+        def load_fragments(self, frag, storage, slot, warp, lane):
+            """The activations of ring slot ``slot`` quantized per token (lane ``(g, c)``: tokens
+            ``g + 8f``, elements ``32c .. 32c+31``) and the promotion factors."""
+            cfg = self.cfg
+            rq, fac = frag
+            _, sX, w_scale = self.ring_views(storage)
+            g, c = lane // 4, lane % 4
+            ws = w_scale[slot, warp]
+            for f in cutlass.range_constexpr(self.mt // FRAG):
+                xw = cute.make_rmem_tensor((4, 4), Uint32)  # 32 bf16 of token g + 8f (zero past the slot's)
+                if cutlass.const_expr(cfg.tokens < FRAG * (f + 1)):
+                    xw.fill(0)
+                if g + FRAG * f < cfg.tokens:
+                    for q in cutlass.range_constexpr(4):
+                        cute.autovec_copy(sX[None, q, c, g + FRAG * f, slot, warp], xw[None, q])
+                xv = cute.make_rmem_tensor((32,), Float32)
+                amax = Float32(0.0)
+                for i in cutlass.range_constexpr(16):
+                    word = xw[i % 4, i // 4]
+                    xv[2 * i] = bf16_bits_to_f32(word << 16)
+                    xv[2 * i + 1] = bf16_bits_to_f32(word & Uint32(0xFFFF0000))
+                    for e in cutlass.range_constexpr(2):
+                        amax = cute.arch.fmax(amax, cute.arch.fmax(xv[2 * i + e], -xv[2 * i + e]))
+                for b in cutlass.range_constexpr(2):  # the 4 lanes of a token hold its 128 elements
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
+                num = amax  # s = amax/448, 1 for an all-zero group (selected before dividing: no zero dividend)
+                if amax == 0.0:
+                    num = Float32(FP8_MAX)
+                scale = num / FP8_MAX
+                inv = rcp_rn(scale)
+                for w in cutlass.range_constexpr(8):
+                    rq[w, f] = pack_e4m3x4(*[_clamp_fp8(div_rn(xv[4 * w + i], scale, inv)) for i in range(4)])
+                fac[0, f] = cute.arch.shuffle_sync(scale, 8 * c) * ws  # token 8f + 2c's scale (lane 4 * 2c)
+                fac[1, f] = cute.arch.shuffle_sync(scale, 8 * c + 4) * ws
+
+        @cute.jit
+        def accumulate(self, frag, acc, storage, slot, warp, lane):
+            """Per strip: its A fragments from the ring slot (lane ``(g, c)``: bytes ``32c ..`` of rows
+            ``g`` and ``g + 8``), then per 8-token fragment the k-tile's four ``m16n8k32`` MMAs into a
+            fresh accumulator, promoted into ``acc`` with the tokens' scales times the weight-block scale."""
+            rq, fac = frag
+            sW, _, _ = self.ring_views(storage)
+            g, c = lane // 4, lane % 4
             for s in cutlass.range_constexpr(4):
-                d = [Float32(0.0)] * 4
-                for b in cutlass.range_constexpr(4):
-                    j, w = b // 2, 2 * (b % 2)  # bytes 8b .. 8b+7 of the lane's 32: chunk j, words w, w+1
-                    d = self.mma("m16n8k32.row.col.f32.e4m3.e4m3.f32",
-                                 [ra[w, j, 0, s], ra[w, j, 1, s], ra[w + 1, j, 0, s], ra[w + 1, j, 1, s]],
-                                 rq[2 * b], rq[2 * b + 1], d)
-                for i in cutlass.range_constexpr(4):
-                    acc[i, s] = acc[i, s] + d[i] * fac[i % 2]
+                ra = cute.make_rmem_tensor((4, 2, 2), Uint32)  # (word, 16-byte chunk, row half)
+                for h in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(2):
+                        cute.autovec_copy(sW[None, (2 * c + j) ^ g, 16 * s + 8 * h + g, slot, warp], ra[None, j, h])
+                for f in cutlass.range_constexpr(self.mt // FRAG):
+                    d = [Float32(0.0)] * 4
+                    for b in cutlass.range_constexpr(4):
+                        j, w = b // 2, 2 * (b % 2)  # bytes 8b .. 8b+7 of the lane's 32: chunk j, words w, w+1
+                        d = self.mma("m16n8k32.row.col.f32.e4m3.e4m3.f32",
+                                     [ra[w, j, 0], ra[w, j, 1], ra[w + 1, j, 0], ra[w + 1, j, 1]],
+                                     rq[2 * b, f], rq[2 * b + 1, f], d)
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, s, f] = acc[i, s, f] + d[i] * fac[i % 2, f]
 
         @cute.jit
         def alpha(self, aux_ptr):
@@ -257,6 +276,15 @@ def _plan(tokens: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, devi
     return compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 
 
+def use_gemv(m: int, n: int, epilogue: Epilogue, num_sms: int) -> bool:
+    """Whether :func:`.fp8_block_gemm.fp8_block_linear` takes the GEMV for ``m`` tokens (H200,
+    ``notes/fp8_block.md`` v7): up to 8 tokens always (1.2-1.9x bf16, faster than act_quant + GEMM
+    on every measured shape); 9-16 tokens where the weight is one wave of 8-warp CTAs (1.04-1.34x
+    bf16, 1.29-1.91x the two kernels; on multi-wave weights the two kernels were 3-30 % faster)."""
+    rows = 2 * SWIGLU_GROUP if epilogue.activation == "swiglu" else ROWS
+    return m <= FRAG or (m <= MAX_M and n // rows <= num_sms)
+
+
 def supports(m: int, n: int, k: int, epilogue: Epilogue) -> bool:
     """Whether the GEMV computes ``x[m, k] @ w[n, k]`` with ``epilogue`` (bf16 output only)."""
     rows = 2 * SWIGLU_GROUP if epilogue.activation == "swiglu" else ROWS
@@ -265,7 +293,7 @@ def supports(m: int, n: int, k: int, epilogue: Epilogue) -> bool:
 
 def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epilogue: Epilogue = Epilogue(),
                    bias=None, residual=None, config: Fp8GemvConfig | None = None, out=None) -> torch.Tensor:
-    """fp8-block linear of bf16 ``x [M <= 8, K]`` on a Hopper GPU: float8_e4m3fn ``w [N', K]``, FP32
+    """fp8-block linear of bf16 ``x [M <= 16, K]`` on a Hopper GPU: float8_e4m3fn ``w [N', K]``, FP32
     ``w_scale [ceil(N'/128), K/128]``, ``bias`` bf16/FP32 ``[N']``, ``residual`` bf16 ``[M, N]``;
     returns bf16 ``[M, N]`` (``N = N'/2`` for swiglu), equal to
     ``fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, ...)`` up to FP32 summation order."""

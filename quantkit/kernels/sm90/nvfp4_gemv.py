@@ -61,11 +61,19 @@ class GemvConfig:
     pdl: bool = False
     cluster: bool = False
 
+    TOKENS = (1, 2, 4, 8)  # ring-slot token counts
+
+    @property
+    def tile_tokens(self) -> int:
+        """Token columns of the partial sums: 8 per MMA N fragment."""
+        return MAX_M
+
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this config cannot run ``epilogue``."""
         threads = 32 * self.warps
         if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
-                or self.tokens not in (1, 2, 4, 8) or (SWIGLU_GROUP * MAX_M) % threads or self.smem_bytes() > _SMEM
+                or self.tokens not in self.TOKENS or (SWIGLU_GROUP * self.tile_tokens) % threads
+                or self.smem_bytes() > _SMEM
                 or (self.cluster and not 2 <= self.splits <= 8)):
             raise ValueError(f"unsupported GEMV config {self}")
         if (epilogue.activation == "swiglu") != (self.tiles == 2):
@@ -80,7 +88,7 @@ class GemvConfig:
     def smem_bytes(self) -> int:
         """Shared memory per CTA: the warps' rings, the reduced tile (twice with ``cluster``: the
         CTA's own partial, read by its peers, and the cluster sums it owns), 1 KB reserved by the system."""
-        tile = ng.ROWS * self.tiles * MAX_M * 4
+        tile = ng.ROWS * self.tiles * self.tile_tokens * 4
         return self.warps * self.stages * self.slot_bytes() + tile * (2 if self.cluster else 1) + 1024 + 64
 
     def ctas_per_sm(self) -> int:
@@ -162,6 +170,7 @@ def _kernel_class():
             self.threads = 32 * config.warps
             self.slot = config.slot_bytes()
             self.x_offset = self.slot - config.tokens * X_ROW  # the activations follow the weight tile
+            self.mt = config.tile_tokens  # token columns of the partial sums
 
         @cute.jit
         def __call__(self, x_ptr: Int64, w_ptr: Int64, aux_ptr: Int64, out_ptr: Int64, bias_ptr: Int64,
@@ -184,8 +193,8 @@ def _kernel_class():
             class SharedStorage:
                 ring: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
-                fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M], 16]
-                fsum: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * MAX_M if self.cfg.cluster else 4], 16]
+                fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * self.mt], 16]
+                fsum: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * self.mt if self.cfg.cluster else 4], 16]
                 flag: cute.struct.MemRange[Int32, 4]
 
             self.shared_storage = SharedStorage
@@ -219,7 +228,7 @@ def _kernel_class():
             rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
             ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
 
-            acc = cute.make_rmem_tensor((4, 4), Float32)  # (C register, strip)
+            acc = cute.make_rmem_tensor((4, 4, self.mt // MAX_M), Float32)  # (C register, strip, 8-token fragment)
             acc.fill(0.0)
             frag = self.make_fragments()
 
@@ -245,17 +254,18 @@ def _kernel_class():
                     self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
                     self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
                 cute.arch.cp_async_commit_group()
-                self.accumulate(frag, acc, lane)
+                self.accumulate(frag, acc, storage, i % cfg.stages, warp, lane)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
-            # this warp's partial [64 rows, 8 tokens] into its own ring slot 0 (FP32)
+            # this warp's partial [64 rows, mt tokens] into its own ring slot 0 (FP32)
             ring_words = cfg.stages * self.slot // 4
             g, c = lane // 4, lane % 4
             part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
-                                    cute.make_layout((ng.ROWS, MAX_M, cfg.warps), stride=(MAX_M, 1, ring_words)))
-            for s in cutlass.range_constexpr(4):
-                for j in cutlass.range_constexpr(4):
-                    part[16 * s + g + 8 * (j // 2), 2 * c + j % 2, warp] = acc[j, s]
+                                    cute.make_layout((ng.ROWS, self.mt, cfg.warps), stride=(self.mt, 1, ring_words)))
+            for f in cutlass.range_constexpr(self.mt // MAX_M):
+                for s in cutlass.range_constexpr(4):
+                    for j in cutlass.range_constexpr(4):
+                        part[16 * s + g + 8 * (j // 2), MAX_M * f + 2 * c + j % 2, warp] = acc[j, s, f]
             cute.arch.sync_threads()
             if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
                 self.store(storage, tidx, bx, bz, self.alpha(aux_ptr), mOut, mBias, mRes, m, n_out, n_rows)
@@ -298,16 +308,16 @@ def _kernel_class():
                     rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
 
         @cute.jit
-        def accumulate(self, frag, acc, lane):
+        def accumulate(self, frag, acc, storage, slot, warp, lane):
             """Decode the k-tile's weights in registers and ``acc += w · x`` (``mma.m16n8k16``)."""
             rc, rs, rx = frag
             for b in cutlass.range_constexpr(8):
                 for s in cutlass.range_constexpr(4):
                     a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
                     d = mma_sync("m16n8k16.row.col.f32.bf16.bf16.f32", a, rx[0, b], rx[1, b],
-                                 [acc[0, s], acc[1, s], acc[2, s], acc[3, s]])
+                                 [acc[0, s, 0], acc[1, s, 0], acc[2, s, 0], acc[3, s, 0]])
                     for j in cutlass.range_constexpr(4):
-                        acc[j, s] = d[j]
+                        acc[j, s, 0] = d[j]
 
         @cute.jit
         def alpha(self, aux_ptr):
@@ -349,24 +359,24 @@ def _kernel_class():
             ``fin`` in split order. Returns 1 in a CTA that holds full sums (0 in the other CTAs of a
             turnstile-split row block)."""
             cfg = self.cfg
-            fin = storage.fin.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+            fin = storage.fin.get_tensor(cute.make_layout((self.rows, self.mt), stride=(self.mt, 1)))
             flag = storage.flag.get_tensor(cute.make_layout(4))
             ring_f = cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32)
             warp_floats = cfg.stages * self.slot // 4
-            per_thread = self.rows * MAX_M // self.threads
+            per_thread = self.rows * self.mt // self.threads
             vals = cute.make_rmem_tensor((per_thread,), Float32)
             for e in cutlass.range_constexpr(per_thread):
                 idx = tidx + e * self.threads  # (row of the CTA, token) = (idx // 8, idx % 8)
-                t = (idx // MAX_M) // ng.ROWS
-                off = ((idx // MAX_M) % ng.ROWS) * MAX_M + idx % MAX_M
+                t = (idx // self.mt) // ng.ROWS
+                off = ((idx // self.mt) % ng.ROWS) * self.mt + idx % self.mt
                 total = Float32(0.0)
                 for grp in cutlass.range_constexpr(self.groups):
                     total = total + ring_f[(grp * cfg.tiles + t) * warp_floats + off]
                 vals[e] = total
             is_last = Int32(1)
             if cutlass.const_expr(cfg.splits > 1 and not cfg.cluster):
-                stride = cute.arch.grid_dim()[0] * self.rows * MAX_M  # floats per split
-                mine = ws_ptr + Int64(bx * self.rows * MAX_M + tidx) * 4
+                stride = cute.arch.grid_dim()[0] * self.rows * self.mt  # floats per split
+                mine = ws_ptr + Int64(bx * self.rows * self.mt + tidx) * 4
                 ws = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=4),
                                       cute.make_layout((per_thread, cfg.splits), stride=(self.threads, stride)))
                 for e in cutlass.range_constexpr(per_thread):
@@ -395,20 +405,20 @@ def _kernel_class():
                         counter[0] = Int32(0)  # ready for the next launch
             for e in cutlass.range_constexpr(per_thread):
                 idx = tidx + e * self.threads
-                fin[idx // MAX_M, idx % MAX_M] = vals[e]
+                fin[idx // self.mt, idx % self.mt] = vals[e]
             cute.arch.sync_threads()
             if cutlass.const_expr(cfg.cluster):
                 cute.arch.cluster_arrive()  # release: this CTA's partial is in its shared memory
                 cute.arch.cluster_wait()  # acquire: so are the peers'
-                fsum = storage.fsum.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+                fsum = storage.fsum.get_tensor(cute.make_layout((self.rows, self.mt), stride=(self.mt, 1)))
                 fin_addr = storage.fin.data_ptr().toint()
                 for e in cutlass.range_constexpr(per_thread):
                     idx = tidx + e * self.threads
-                    if self.owner(idx // MAX_M) == bz:
+                    if self.owner(idx // self.mt) == bz:
                         total = ld_dsmem_f32(fin_addr + idx * 4, 0)
                         for j in cutlass.range_constexpr(1, cfg.splits):
                             total = total + ld_dsmem_f32(fin_addr + idx * 4, j)
-                        fsum[idx // MAX_M, idx % MAX_M] = total
+                        fsum[idx // self.mt, idx % self.mt] = total
                 cute.arch.cluster_arrive()  # done reading the peers (each waits for this before it exits)
                 cute.arch.sync_threads()
             return is_last
@@ -423,11 +433,11 @@ def _kernel_class():
             """``alpha``, bias, activation, residual on the sums (``fin``, with ``cluster`` the owned rows
             of ``fsum``); bf16 stores (consecutive threads: consecutive output columns)."""
             sums = storage.fsum if self.cfg.cluster else storage.fin
-            fin = sums.get_tensor(cute.make_layout((self.rows, MAX_M), stride=(MAX_M, 1)))
+            fin = sums.get_tensor(cute.make_layout((self.rows, self.mt), stride=(self.mt, 1)))
             cols = SWIGLU_GROUP if self.swiglu else self.rows
             row0 = bx * self.rows
             col0 = bx * SWIGLU_GROUP if self.swiglu else row0
-            for e in cutlass.range_constexpr(cols * MAX_M // self.threads):
+            for e in cutlass.range_constexpr(cols * self.mt // self.threads):
                 idx = tidx + e * self.threads
                 tok = idx // cols
                 r = idx % cols
