@@ -264,6 +264,20 @@ def test_gemv_config_rule_and_routing():
     assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
 
 
+def test_gemv_rejects_bad_operands_with_clear_errors():
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    wq, ws = fp8.quantize(torch.randn(128, 256), (128, 128))
+    cases = [((x.float(), wq, ws), "expected bf16 x"), ((torch.zeros(17, 256, dtype=torch.bfloat16), wq, ws), "M=17"),
+             ((x, wq, ws[:, :1]), "w_scale"), ((x[:, :200], wq[:, :200], ws), "K=200")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fgv.fp8_block_gemv(*args)
+    with pytest.raises(ValueError, match="requant"):
+        fgv.fp8_block_gemv(x, wq, ws, Epilogue(requant="fp8-block"))
+    with pytest.raises(ValueError, match="bias"):
+        fgv.fp8_block_gemv(x, wq, ws, Epilogue(bias=True))
+
+
 def _rn32(x):
     """Exact rational ``x`` rounded to the nearest FP32 (ties to even; normal range)."""
     from fractions import Fraction

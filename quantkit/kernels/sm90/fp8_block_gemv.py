@@ -278,9 +278,10 @@ def _plan(tokens: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, devi
 
 def use_gemv(m: int, n: int, epilogue: Epilogue, num_sms: int) -> bool:
     """Whether :func:`.fp8_block_gemm.fp8_block_linear` takes the GEMV for ``m`` tokens (H200,
-    ``notes/fp8_block.md`` v7): up to 8 tokens always (1.2-1.9x bf16, faster than act_quant + GEMM
-    on every measured shape); 9-16 tokens where the weight is one wave of 8-warp CTAs (1.04-1.34x
-    bf16, 1.29-1.91x the two kernels; on multi-wave weights the two kernels were 3-30 % faster)."""
+    ``notes/fp8_block.md`` v7): up to 8 tokens always (1.2-1.9x bf16 on 13 shapes; 1.0-3.0x
+    act_quant + GEMM, parity only at 8 tokens on multi-wave weights); 9-16 tokens where the weight is
+    one wave of 8-warp CTAs (0.93-1.34x bf16, 1.29-1.91x the two kernels; on multi-wave weights the
+    two kernels were 3-30 % faster)."""
     rows = 2 * SWIGLU_GROUP if epilogue.activation == "swiglu" else ROWS
     return m <= FRAG or (m <= MAX_M and n // rows <= num_sms)
 
@@ -321,7 +322,9 @@ def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epil
     if bias is not None and not bias_fp32:
         bias = bias.to(torch.bfloat16)
     residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
-    x, w, w_scale = x.contiguous(), w.contiguous(), w_scale.float().contiguous()
+    # the kernel copies 16-byte chunks of both
+    x, w = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x.contiguous(), w.contiguous()))
+    w_scale = w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
     fn = _plan(1 << (m - 1).bit_length(), n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731

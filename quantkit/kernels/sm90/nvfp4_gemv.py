@@ -28,6 +28,9 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   the default executor, ``benchmarks/notes/nvfp4.md``).
 
 :func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for ``M <= 8`` tokens (:func:`.nvfp4_gemm.use_gemv`).
+The weight format is a set of hooks (``make_fragments``, ``issue_weights``, ``load_fragments``,
+``accumulate``, ``alpha``; the config's ``slot_bytes`` and ``tile_tokens``): the fp8-block GEMV
+(:mod:`.fp8_block_gemv`) subclasses this kernel with its own.
 """
 
 import functools
