@@ -11,7 +11,10 @@ metrics of ``accuracy_gemma.py`` (WikiText-2 perplexity, first 10×512 tokens; L
 
 Run: ``python benchmarks/accuracy_attribution.py --format fp8-block --out results/X.json`` (CPU, ~12 min).
 ``--linears q_proj,k_proj,v_proj down_proj ...`` adds one "activations only" evaluation per group,
-quantizing only the inputs of the linears whose names end with one of the group's suffixes.
+quantizing only the inputs of the linears whose names end with one of the group's suffixes; with
+``--hadamard B`` those inputs are quantized in a rotated basis, ``H·qdq(H·x)`` for the orthonormal
+B×B Sylvester-Hadamard ``H`` applied per block of B along K (exact in float: the layer would
+multiply by ``W·H``), the estimate of what an online block rotation would recover.
 """
 import argparse
 import copy
@@ -45,6 +48,7 @@ def main() -> None:
     p.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS, help="evaluations to run (others are kept from --out)")
     p.add_argument("--linears", nargs="*", default=[], metavar="SUFFIXES",
                    help="comma-separated name suffixes per extra 'activations only' evaluation")
+    p.add_argument("--hadamard", type=int, default=0, metavar="B", help="with --linears: rotate by B x B blocks")
     args = p.parse_args()
     torch.manual_seed(0)
     base, tokenizer = load_model("demo", dtype=torch.float32)
@@ -62,18 +66,31 @@ def main() -> None:
     act = get_format(args.format).activation
     if act is None:
         raise SystemExit(f"{args.format} quantizes weights only")
-    model = copy.deepcopy(base)
-    with torch.no_grad():
-        quantize(model, Recipe(args.format), calib, batch_size=8)
-    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if args.parts:
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            quantize(model, Recipe(args.format), calib, batch_size=8)
+        names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    else:  # the decoder layers' linears, which quantize() swaps (the LM head stays in float)
+        names = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     qdq = act.qdq
+    quantize_input = lambda x: qdq(x).to(x.dtype)  # noqa: E731
+    if args.hadamard:
+        had = torch.ones(1, 1)
+        while had.shape[0] < args.hadamard:
+            had = torch.cat([torch.cat([had, had], 1), torch.cat([had, -had], 1)])
+        had = had / had.shape[0] ** 0.5
+
+        def quantize_input(x):
+            blocks = lambda t: t.reshape(*t.shape[:-1], -1, had.shape[0])  # noqa: E731
+            return (blocks(qdq((blocks(x) @ had).reshape(x.shape))) @ had).reshape(x.shape).to(x.dtype)
     for group in args.linears:
         suffixes = tuple(group.split(","))
-        hooks = [base.get_submodule(n).register_forward_pre_hook(lambda m, a: (qdq(a[0]).to(a[0].dtype), *a[1:]))
+        hooks = [base.get_submodule(n).register_forward_pre_hook(lambda m, a: (quantize_input(a[0]), *a[1:]))
                  for n in names if n.endswith(suffixes)]
-        record(f"activations only: {group}", base)
-        for h in hooks:
-            h.remove()
+        record(f"activations only{f' (hadamard {args.hadamard})' if args.hadamard else ''}: {group}", base)
+        for hook in hooks:
+            hook.remove()
     if "weights only" in args.parts:
         act.qdq = lambda x, input_scale=None: x
         try:
