@@ -257,9 +257,10 @@ def test_gemv_config_rule_and_routing():
     assert fgv.supports(1, 4096, 4096, Epilogue()) and fgv.supports(8, 320, 640, Epilogue())
     assert fgv.supports(16, 4096, 4096, Epilogue()) and not fgv.supports(17, 4096, 4096, Epilogue())
     # 9-16 tokens only on one-wave weights (64-row tiles; 128-row gate/up pairs for SwiGLU)
-    assert fgv.use_gemv(8, 28672, Epilogue(), 132) and fgv.use_gemv(16, 8192, Epilogue(), 132)
-    assert not fgv.use_gemv(16, 28672, Epilogue(), 132) and not fgv.use_gemv(9, 8512, Epilogue(), 132)
-    assert fgv.use_gemv(12, 16384, Epilogue(activation="swiglu"), 132)
+    assert fgv.use_gemv(8, 28672, 4096, Epilogue(), 132) and fgv.use_gemv(16, 8192, 4096, Epilogue(), 132)
+    assert not fgv.use_gemv(16, 28672, 4096, Epilogue(), 132) and not fgv.use_gemv(9, 8512, 4096, Epilogue(), 132)
+    assert fgv.use_gemv(12, 16384, 4096, Epilogue(activation="swiglu"), 132)
+    assert not fgv.use_gemv(1, 4096, 4096, Epilogue(requant="fp8-block"), 132)
     assert not fgv.supports(1, 4096, 4096, Epilogue(requant="fp8-block"))
     assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
 

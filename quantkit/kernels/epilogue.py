@@ -46,6 +46,21 @@ class Epilogue:
 IDENTITY = Epilogue()
 
 
+def epilogue_operands(epilogue: Epilogue, m: int, n: int, n_out: int, bias, residual):
+    """Check ``bias [n]`` (weight rows) and ``residual [m, n_out]`` against ``epilogue`` and bring
+    them to what the kernels read: contiguous bias in bf16 (FP32 kept), contiguous bf16 residual.
+    Returns ``(bias, residual, bias_fp32)``."""
+    if epilogue.bias and (bias is None or tuple(bias.shape) != (n,)):
+        raise ValueError(f"epilogue has bias: expected bias[{n}]")
+    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
+        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
+    bias_fp32 = bias is not None and bias.dtype == torch.float32
+    if bias is not None:
+        bias = (bias if bias_fp32 else bias.to(torch.bfloat16)).contiguous()
+    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    return bias, residual, bias_fp32
+
+
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, group: int = SWIGLU_GROUP) -> torch.Tensor:
     """Interleave gate/up weights ``[N, K]`` each into ``[2N, K]``: rows ``g0 u0 g1 u1 ...`` in
     blocks of ``group`` rows, so any tile of ``2·group·j`` rows holds matching gate and up halves."""

@@ -44,7 +44,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 import torch
 
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
-from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
@@ -720,6 +720,12 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
                           tvm_ffi=tvm_ffi)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, config: TileConfig | None,
           tvm_ffi: bool):
@@ -728,8 +734,7 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
     config = config or pick_config(m, n, k, epilogue)
     if config.overlap and (k // BLOCK) % OVERLAP_UNROLL:
         config = replace(config, overlap=False)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms, tvm_ffi=tvm_ffi)
+    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
@@ -760,14 +765,7 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     out_scale = _m_major_empty(m, n_out // BLOCK, x.device) if requant else None
     if m == 0:
         return (out, out_scale) if requant else out
-    if epilogue.bias and (bias is None or tuple(bias.shape) != (n,)):
-        raise ValueError(f"epilogue has bias: expected bias[{n}]")
-    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
-        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
-    bias_fp32 = bias is not None and bias.dtype == torch.float32
-    if bias is not None and not bias_fp32:
-        bias = bias.to(torch.bfloat16)
-    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    bias, residual, bias_fp32 = epilogue_operands(epilogue, m, n, n_out, bias, residual)
     x, w = x.contiguous(), w.contiguous()
     x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
@@ -816,11 +814,6 @@ def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
     return out, torch.empty_strided((m, n // BLOCK), (1, m4), dtype=torch.float32, device=x.device)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None):
     """fp8-block linear of bf16 ``x [M, K]`` (bf16 output): the decode GEMV
     (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs and is the faster
@@ -832,8 +825,7 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
 
     m, k = x.shape
     n = w.shape[0]
-    if (epilogue.requant is None and fp8_block_gemv.supports(m, n, k, epilogue)
-            and fp8_block_gemv.use_gemv(m, n, epilogue, _num_sms(x.device))):
+    if fp8_block_gemv.use_gemv(m, n, k, epilogue, _num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
     return fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, bias, residual)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
-from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
 BK = 128  # K per k-tile: one activation group, one weight-scale block
@@ -276,14 +276,15 @@ def _plan(tokens: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, devi
     return compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 
 
-def use_gemv(m: int, n: int, epilogue: Epilogue, num_sms: int) -> bool:
-    """Whether :func:`.fp8_block_gemm.fp8_block_linear` takes the GEMV for ``m`` tokens (H200,
+def use_gemv(m: int, n: int, k: int, epilogue: Epilogue, num_sms: int) -> bool:
+    """Whether :func:`.fp8_block_gemm.fp8_block_linear` takes the GEMV for ``m`` tokens: where it
+    :func:`supports` the call, and (H200,
     ``notes/fp8_block.md`` v7): up to 8 tokens always (1.2-1.9x bf16 on 13 shapes; 1.0-3.0x
     act_quant + GEMM, parity only at 8 tokens on multi-wave weights); 9-16 tokens where the weight is
     one wave of 8-warp CTAs (0.93-1.34x bf16, 1.29-1.91x the two kernels; on multi-wave weights the
     two kernels were 3-30 % faster)."""
     rows = 2 * SWIGLU_GROUP if epilogue.activation == "swiglu" else ROWS
-    return m <= FRAG or (m <= MAX_M and n // rows <= num_sms)
+    return supports(m, n, k, epilogue) and (m <= FRAG or n // rows <= num_sms)
 
 
 def supports(m: int, n: int, k: int, epilogue: Epilogue) -> bool:
@@ -310,18 +311,11 @@ def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epil
     if config is not None and m > config.tokens:
         raise ValueError(f"{config} serves at most {config.tokens} tokens, got {m}")
     n_out = n // 2 if epilogue.activation == "swiglu" else n
-    if epilogue.bias and (bias is None or tuple(bias.shape) != (n,)):
-        raise ValueError(f"epilogue has bias: expected bias[{n}]")
-    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
-        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
+    bias, residual, bias_fp32 = epilogue_operands(epilogue, m, n, n_out, bias, residual)
     if out is None:
         out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x.device)
     elif out.shape != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n_out}] tensor")
-    bias_fp32 = bias is not None and bias.dtype == torch.float32
-    if bias is not None and not bias_fp32:
-        bias = bias.to(torch.bfloat16)
-    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
     # the kernel copies 16-byte chunks of both
     x, w = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x.contiguous(), w.contiguous()))
     w_scale = w_scale.float().contiguous()

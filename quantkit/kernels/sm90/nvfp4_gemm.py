@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
-from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 
 BK = 128  # K per pipeline stage
 ROWS = 64  # weight rows per warpgroup (WGMMA M)
@@ -912,14 +912,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         return out
     if x_arg.data_ptr() % 16 or not x_arg.is_contiguous():
         raise ValueError("x must be contiguous and 16-byte aligned (TMA)")
-    if epilogue.bias and (bias is None or tuple(bias.shape) != (w.n,)):
-        raise ValueError(f"epilogue has bias: expected bias[{w.n}]")
-    if epilogue.residual and (residual is None or tuple(residual.shape) != (m, n_out)):
-        raise ValueError(f"epilogue has residual: expected residual[{m}, {n_out}]")
-    bias_fp32 = bias is not None and bias.dtype == torch.float32
-    if bias is not None and not bias_fp32:
-        bias = bias.to(torch.bfloat16).contiguous()
-    residual = residual.to(torch.bfloat16).contiguous() if residual is not None else None
+    bias, residual, bias_fp32 = epilogue_operands(epilogue, m, w.n, n_out, bias, residual)
     from quantkit.kernels.sm90 import nvfp4_gemv
 
     if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
