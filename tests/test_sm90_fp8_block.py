@@ -265,6 +265,21 @@ def test_gemv_config_rule_and_routing():
     assert not fgv.supports(1, 192, 4096, Epilogue(activation="swiglu"))  # gate/up pairs of 128 rows
 
 
+def test_every_gemv_rule_config_compiles_for_sm90a(tmp_path):
+    """Every config the rule picks for the benchmark's Llama-8B/70B and DeepSeek-V3 shapes (plus
+    Llama-8B's k/v and gate/up rows) at 1..16 tokens, and for SwiGLU pairs, compiles for sm_90a to
+    its E4M3 MMAs with nothing in local memory."""
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192), (57344, 8192),
+              (8192, 28672), (2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048), (1024, 4096),
+              (14336, 4096)]
+    jobs = {(fgv.pick_gemv_config(m, n, k, epi), epi) for n, k in shapes for m in (1, 2, 4, 8, 16)
+            for epi in (Epilogue(), Epilogue(activation="swiglu")) if epi.activation != "swiglu" or n % 128 == 0}
+    for i, (cfg, epi) in enumerate(sorted(jobs, key=str)):
+        ptx = _ptx(tmp_path, f"rule{i}", lambda opts: fgv.compile_gemv(cfg, epi, arch="sm_90a", options=opts))
+        assert ".target sm_90a" in ptx and "ld.local" not in ptx and "st.local" not in ptx, cfg
+        assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 16 * (cfg.tile_tokens // 8), cfg
+
+
 def test_gemv_rejects_bad_operands_with_clear_errors():
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     wq, ws = fp8.quantize(torch.randn(128, 256), (128, 128))
