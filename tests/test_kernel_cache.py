@@ -53,7 +53,7 @@ def test_compile_kernel_traces_once_per_key_and_targets_the_given_arch(tmp_path)
     other = cache.compile_kernel(("double", "test-cache"), launch, x, x, arch="sm_100a", options=opts)
     assert first is again and other is not first
     assert len(traced) == 2
-    assert (("double", "test-cache"), "sm_90a") in cache.cached_keys()
+    assert (("double", "test-cache"), "sm_90a", opts) in cache.cached_keys()
     targets = sorted(line.split()[1] for p in tmp_path.glob("*.ptx") for line in p.read_text().splitlines() if line.startswith(".target"))
     assert targets == ["sm_100a", "sm_90a"]
 

@@ -5,8 +5,8 @@
   import, and :func:`compile_kernel` also passes ``--gpu-arch`` to every ``cute.compile``, so the
   target is explicit per compile (compile-only checks for sm_90a and sm_100a can share a process).
 * **In-process cache.** ``cute.compile`` traces Python (milliseconds to seconds) and is not
-  thread-safe: :func:`compile_kernel` compiles each ``(key, arch)`` once, under a lock, and keeps the
-  executor it returns.
+  thread-safe: :func:`compile_kernel` compiles each ``(key, arch, options)`` once, under a lock, and
+  keeps the executor it returns (a compile with other options, e.g. a PTX dump, is a compile of its own).
 * **Executors.** With ``tvm_ffi`` the executor uses CuTeDSL's apache-tvm-ffi calling convention
   (a C++ argument path: ~16-21 µs per eager launch on the H200 host against 58-79 µs through the
   default Python executor; stream handle as an int). Launchers choose it by :func:`use_tvm_ffi`
@@ -35,7 +35,7 @@ ARCH_ENV = "CUTE_DSL_ARCH"
 _ARCH_SPECIFIC = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
 
 _lock = threading.Lock()
-_compiled: dict[tuple[Hashable, str], Any] = {}
+_compiled: dict[tuple[Hashable, str, str], Any] = {}
 
 USE_TVM_FFI = True  # launch through tvm-ffi executors where apache-tvm-ffi is installed
 
@@ -95,7 +95,7 @@ def pin_arch(arch: str | None = None) -> str:
 
 def compile_kernel(key: Hashable, fn: Callable[..., Any], *args: Any, arch: str | None = None, options: str = "",
                    tvm_ffi: bool = False) -> Any:
-    """``cute.compile(fn, *args)`` for ``arch`` (default: :func:`pin_arch`), once per ``(key, arch)``.
+    """``cute.compile(fn, *args)`` for ``arch`` (default: :func:`pin_arch`), once per ``(key, arch, options)``.
 
     An explicit ``arch`` is passed to ``cute.compile`` as ``--gpu-arch`` and does not re-pin the
     process, so compile-only checks may target several archs in one process.
@@ -108,8 +108,8 @@ def compile_kernel(key: Hashable, fn: Callable[..., Any], *args: Any, arch: str 
     """
     arch = arch or pin_arch()
     if tvm_ffi:
-        key, options = (key, "tvm-ffi"), f"{options} --enable-tvm-ffi".strip()
-    cache_key = (key, arch)
+        options = f"{options} --enable-tvm-ffi".strip()
+    cache_key = (key, arch, options)
     hit = _compiled.get(cache_key)
     if hit is not None:
         return hit
@@ -123,6 +123,6 @@ def compile_kernel(key: Hashable, fn: Callable[..., Any], *args: Any, arch: str 
     return hit
 
 
-def cached_keys() -> list[tuple[Hashable, str]]:
-    """The ``(key, arch)`` pairs compiled in this process so far."""
+def cached_keys() -> list[tuple[Hashable, str, str]]:
+    """The ``(key, arch, options)`` triples compiled in this process so far."""
     return list(_compiled)

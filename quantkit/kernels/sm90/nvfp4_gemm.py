@@ -503,7 +503,7 @@ def _kernel_class():
             if warp_idx == self.producer_warp:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             x_stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(x_smem, (None, None, 0)))
             pipe = pipeline.PipelineTmaAsync.create(

@@ -219,7 +219,7 @@ def _kernel_class():
             bx, bz, _ = cute.arch.block_idx()
             if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
 
             k_tiles = k // ng.BK

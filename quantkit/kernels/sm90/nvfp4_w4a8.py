@@ -59,7 +59,7 @@ def _build_act_quant():
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             groups = k // GROUP
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
             vals = cute.make_rmem_tensor(GROUP, cutlass.BFloat16)
             amax = Float32(0.0)
