@@ -6,7 +6,8 @@ launch). Times are medians over CUDA-graph replays (CUDA events), with inputs ro
 copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
-times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest.
+times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
+``--tune-rows M --ab defer|unroll`` times only those rows, each dispatch config against one variant.
 """
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ CANDIDATES = [
 TUNE_M = (1, 16, 64, 128, 512, 4096)
 # Rows whose bias+SiLU(+requant) epilogues are timed against the bare GEMM.
 EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
-# Same-run A/B of the deferred epilogue on the large-M configs of the dispatch table (--ab-defer).
-DEFER_AB = [c for cfg in (fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=4),
-                          fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4))
-            for c in (cfg, replace(cfg, defer_epilogue=not cfg.defer_epilogue))]
+# Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, or the
+# overlapped mainloop's straight-line group of 8 k-tiles instead of 4 (one wait_group(0) per group).
+AB_VARIANTS = {
+    "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
+    "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
+}
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
 # overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
@@ -123,8 +126,9 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-rows", type=int, default=None, metavar="M",
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
-    parser.add_argument("--ab-defer", action="store_true",
-                        help="with --tune-rows: time DEFER_AB instead, and stop after those rows")
+    parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
+                        help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
+                             "(also for the epilogue rows), and stop after those rows")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
@@ -154,13 +158,14 @@ def main() -> None:
         print("}")
 
     rows = SQUARE + DSV3 + LLAMA
-    if args.ab_defer:
+    if args.ab:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
     for n, k, m in rows:
         prob = Problem(m, n, k, gen)
         if args.tune_rows is not None and m >= args.tune_rows:
             times = {}
-            candidates = DEFER_AB if args.ab_defer else LARGE_CANDIDATES
+            picked = fbg.pick_config(m, n, k)
+            candidates = (picked, AB_VARIANTS[args.ab](picked)) if args.ab else LARGE_CANDIDATES
             for cand in candidates:
                 try:
                     prob.check(cand)
@@ -186,8 +191,8 @@ def main() -> None:
             bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
             picked = fbg.pick_config(m, n, k, epi)
             variants = (picked,)
-            if args.ab_defer:
-                variants = (picked, replace(picked, defer_epilogue=not picked.defer_epilogue))
+            if args.ab:
+                variants = (picked, AB_VARIANTS[args.ab](picked))
             for epi_cfg in variants:
                 t_epi = prob.ours(epi_cfg, epi, bias)
                 t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
@@ -199,7 +204,7 @@ def main() -> None:
                       flush=True)
         del prob
 
-    for m, k in [] if args.ab_defer else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
+    for m, k in [] if args.ab else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):

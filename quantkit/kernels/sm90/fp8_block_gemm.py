@@ -48,7 +48,6 @@ from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
-OVERLAP_UNROLL = 4  # k-tiles per straight-line group of the overlapped mainloop
 _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
 
 
@@ -63,7 +62,8 @@ class TileConfig:
     tile_n: int = 128
     cluster_m: int = 1
     cluster_n: int = 1
-    overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % 4 == 0)
+    overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % unroll == 0)
+    unroll: int = 4  # k-tiles per straight-line group of the overlapped mainloop (each group ends in wait_group(0))
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
 
@@ -80,6 +80,8 @@ class TileConfig:
             raise ValueError("tile_n = 192 needs overlap=False (two 96-column temporaries exceed the register budget)")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
+        if self.unroll not in (4, 8):
+            raise ValueError(f"unroll must be 4 or 8 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
@@ -411,7 +413,7 @@ class Fp8BlockGemmSm90:
         prev_tm = cutlass.Int32(0)  # the tile whose epilogue is pending
         prev_tn = cutlass.Int32(0)
         bufs = (tmp, tmp2)
-        unroll = OVERLAP_UNROLL if self.cfg.overlap else 1
+        unroll = self.cfg.unroll if self.cfg.overlap else 1
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
             if self._real_tile(tn, n_tiles):
@@ -429,7 +431,7 @@ class Fp8BlockGemmSm90:
                     if tiles_done > 0:
                         self._finish_tile(acc, prev_tm, prev_tn, *epi)
                 # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
-                # OVERLAP_UNROLL k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
+                # `unroll` k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
                 # accumulator group stays in flight across a loop back-edge. Needs K/128 % 4 == 0.
                 for u in cutlass.range_constexpr(1, unroll + 1):
                     if cutlass.const_expr(2 <= u < unroll):
@@ -732,8 +734,9 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
     """The executor of one launch shape (dispatch config unless ``config``), cached: the per-call
     host path is a dict lookup."""
     config = config or pick_config(m, n, k, epilogue)
-    if config.overlap and (k // BLOCK) % OVERLAP_UNROLL:
-        config = replace(config, overlap=False)
+    if config.overlap and (k // BLOCK) % config.unroll:
+        # groups of 4 if they divide the k-tiles, else no overlap
+        config = replace(config, unroll=4) if (k // BLOCK) % 4 == 0 else replace(config, overlap=False)
     return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
 
 
