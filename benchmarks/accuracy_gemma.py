@@ -43,8 +43,13 @@ def wikitext_windows(tokenizer, windows: int, seq_len: int) -> torch.Tensor:
         ids += tokenizer(chunk + "\n \n", add_special_tokens=False).input_ids
         if len(ids) >= need:
             break
-    stream = torch.tensor(ids[:need]).reshape(windows, seq_len)
-    return torch.cat([torch.full((windows, 1), tokenizer.bos_token_id), stream], 1)
+    return bos_windows(ids, windows, seq_len, tokenizer.bos_token_id)
+
+
+def bos_windows(ids: list[int], windows: int, seq_len: int, bos: int) -> torch.Tensor:
+    """int64 ``[windows, seq_len + 1]``: BOS followed by consecutive ``seq_len``-token windows of ``ids``."""
+    stream = torch.tensor(ids[:windows * seq_len]).reshape(windows, seq_len)
+    return torch.cat([torch.full((windows, 1), bos), stream], 1)
 
 
 def lambada_requests(tokenizer, docs: int) -> list[tuple[list[int], int]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from accuracy_gemma import DATA, perplexity  # noqa: E402  (benchmarks/accuracy_gemma.py)
+from accuracy_gemma import DATA, bos_windows, perplexity  # noqa: E402  (benchmarks/accuracy_gemma.py)
 
 
 def lambada_text_windows(tokenizer, windows: int = 20, seq_len: int = 512, first_doc: int = 1000) -> torch.Tensor:
@@ -28,8 +28,7 @@ def lambada_text_windows(tokenizer, windows: int = 20, seq_len: int = 512, first
                 ids += tokenizer(json.loads(line)["text"] + "\n\n", add_special_tokens=False).input_ids
                 if len(ids) >= windows * seq_len:
                     break
-    stream = torch.tensor(ids[:windows * seq_len]).reshape(windows, seq_len)
-    return torch.cat([torch.full((windows, 1), tokenizer.bos_token_id), stream], 1)
+    return bos_windows(ids, windows, seq_len, tokenizer.bos_token_id)
 
 
 def main() -> None:
