@@ -7,7 +7,7 @@ copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and 
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
-``--tune-rows M --ab defer|unroll`` times only those rows, each dispatch config against one variant.
+``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant.
 """
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ TUNE_M = (1, 16, 64, 128, 512, 4096)
 # Rows whose bias+SiLU(+requant) epilogues are timed against the bare GEMM.
 EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
 # Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, or the
-# overlapped mainloop's straight-line group of 8 k-tiles instead of 4 (one wait_group(0) per group).
+# overlapped mainloop's straight-line group of 8 k-tiles instead of 4 (one wait_group(0) per group),
+# or SiLU through tanh.approx (one MUFU op per element) instead of ex2 + rcp.
 AB_VARIANTS = {
     "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
+    "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
 }
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
@@ -130,6 +132,8 @@ def main() -> None:
                         help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
                              "(also for the epilogue rows), and stop after those rows")
     args = parser.parse_args()
+    if args.ab and args.tune_rows is None:
+        parser.error("--ab needs --tune-rows M (the rows it compares)")
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 

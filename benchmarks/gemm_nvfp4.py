@@ -1,7 +1,7 @@
 """Check and benchmark the sm90 NVFP4 GEMMs (W4A16, W4A8) on one Hopper GPU.
 
 Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 70b] [--quick]
-[--no-quack] [--tune] [--variants]``; notes and results: ``benchmarks/notes/nvfp4.md``.
+[--no-quack] [--tune] [--variants] [--floors]``; notes and results: ``benchmarks/notes/nvfp4.md``.
 
 1. **Check** (a subprocess, overlapping the benchmark's compiles): every kernel on fresh
    random-normal inputs, output poisoned with NaN, compared with float64 math: W4A16 with the
@@ -14,7 +14,8 @@ Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 7
    weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
    (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
 3. ``--tune``: every candidate config on representative shapes (what ``pick_config`` is fitted
-   to); ``--variants``: decode A/B of the PDL and batched-issue code variants.
+   to); ``--variants``: decode A/B of the PDL and batched-issue code variants; ``--floors``: M=1
+   against a plain streaming read of the same bytes and the fixed cost of one launch.
 """
 import argparse
 import dataclasses
@@ -479,6 +480,39 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def run_floors(fh) -> list[dict]:
+    """M=1 decode against what its bytes allow: per shape, the default route and bf16 ``F.linear``
+    next to two plain streaming kernels over the same weight bytes, an FP32 ``sum`` (reads them)
+    and a ``copy_`` (reads and writes them); the first row (128x128) is the fixed cost of one launch.
+    ``x bf16 at the read floor``: bf16's time over the read of our bytes, what a GEMV streaming at
+    torch-sum speed would reach."""
+    rows = []
+    shapes = [(128, 128)] + [nk for name in ("8b", "70b") for nk in SHAPES[name]]
+    for n, k in shapes:
+        qw = quantized(n, k, seed=n + k)
+        nw = copies_for(n * k * 9 // 16)
+        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(nw)]
+        bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        dst = torch.empty_like(preps[0].tiles)
+        row = {"n": n, "k": k, "bytes": preps[0].tiles.numel()}
+        row["w4a16"] = graph_median_us([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps])
+        row["bf16"] = graph_median_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s])
+        row["read_ours"] = graph_median_us([lambda p=p: p.tiles.view(torch.float32).sum() for p in preps])
+        row["copy_ours"] = graph_median_us([lambda p=p: dst.copy_(p.tiles) for p in preps])
+        row["x_bf16"] = row["bf16"] / row["w4a16"]
+        row["x_bf16_at_read_floor"] = row["bf16"] / row["read_ours"]
+        tbs = lambda us, nbytes=row["bytes"]: nbytes / us / 1e6  # noqa: E731
+        log(f"FLOOR {n}x{k}: w4a16 {row['w4a16']:.1f} us ({tbs(row['w4a16']):.2f} TB/s), bf16 {row['bf16']:.1f}; "
+            f"FP32 sum of our bytes {row['read_ours']:.1f} ({tbs(row['read_ours']):.2f} TB/s), copy "
+            f"{row['copy_ours']:.1f} ({2 * tbs(row['copy_ours']):.2f} TB/s moved); x bf16 {row['x_bf16']:.2f}, "
+            f"at the read floor {row['x_bf16_at_read_floor']:.2f}", fh)
+        rows.append(row)
+        del preps, bf16s
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -501,12 +535,17 @@ def main():
     ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
+    ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.check_only:
         with open(out / "check.log", "w") as fh:
             sys.exit(0 if run_check(fh, args.check_gemv_only) else 1)
+    if args.floors:
+        with open(out / "floors.log", "w") as fh:
+            (out / "floors.json").write_text(json.dumps(run_floors(fh), indent=1))
+        return
     if args.gemv_ab:
         with open(out / "ab.log", "w") as fh:
             (out / "ab.json").write_text(json.dumps(run_gemv_ab(fh), indent=1))

@@ -7,6 +7,7 @@ the bf16 rounding floor.
 """
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,6 +208,7 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False)])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
+    jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
     for i, (cfg, epi) in enumerate(jobs):
         ptx = _ptx(tmp_path, f"gemm{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx
@@ -215,6 +217,8 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
         if epi.requant:
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert "cp.async.bulk.tensor.2d.global.shared" in ptx, (cfg, epi)  # TMA store of the output tile
+        if epi.activation in ("silu", "gelu_tanh"):  # act_tanh: one MUFU op per element instead of ex2 + rcp
+            assert ("tanh.approx.f32" in ptx) == cfg.act_tanh and ("ex2.approx" in ptx) != cfg.act_tanh, (cfg, epi)
 
 
 def test_act_quant_compiles_for_sm90a(tmp_path):
@@ -395,6 +399,20 @@ def test_gpu_gemm_matches_float64(m, n, k):
 @pytest.mark.parametrize("epi", EPILOGUES, ids=str)
 @pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
 def test_gpu_epilogues_match_float64(m, epi):
+    _check_epilogue(m, epi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [7, 4096])
+def test_gpu_exp_activation_matches_float64(m, act):
+    """``act_tanh=False``: SiLU / GELU-tanh through ``ex2`` + ``rcp`` (the default, ``tanh.approx``, is
+    in :func:`test_gpu_epilogues_match_float64`) stay within the 1e-3 gate."""
+    epi = Epilogue(bias=True, activation=act)
+    _check_epilogue(m, epi, replace(fbg.pick_config(m, 512, 1024, epi), act_tanh=False))
+
+
+def _check_epilogue(m, epi, config=None):
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 11)
     x = torch.randn(m, k, generator=gen, device="cuda")
@@ -408,7 +426,7 @@ def test_gpu_epilogues_match_float64(m, epi):
     res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
     ref = gemm_f64(xq, xs, wq, ws, epi, bias, res)
     poisoned = None if epi.requant else torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-    got = fbg.fp8_block_gemm(xq, xs, wq, ws, epi, bias, res, out=poisoned)
+    got = fbg.fp8_block_gemm(xq, xs, wq, ws, epi, bias, res, out=poisoned, config=config)
     if epi.requant is None:
         assert got.shape == (m, n_out) and not got.isnan().any()
         assert _rel(got, ref.to(torch.bfloat16)) < 1e-3
