@@ -1,7 +1,9 @@
 """Host time of one eager launch on 4096x4096, each kernel through CuTeDSL's tvm-ffi executor
 and its default Python executor: the NVFP4 W4A16 decode GEMV and WGMMA kernel at M = 1, W4A8
 (activation quantization + WGMMA kernel) at M = 16, fp8-block (activation quantization + GEMM) at
-M = 1 and 16; bf16 ``F.linear`` for scale.
+M = 1 and 16; bf16 ``F.linear`` for scale. Then the user's path: the fp8-block linear op called
+through the dispatcher and through :func:`quantkit.kernels.ops.call` (what the backends do in eager
+mode), and whole ``QuantLinear`` forwards.
 
 Run: ``python benchmarks/host_launch.py [--calls N]``. Per contender: ``N`` back-to-back eager calls
 after a warm-up; "host µs" is the enqueue time per call (perf_counter around the loop, no
@@ -20,10 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quantkit.formats import fp8, get_format  # noqa: E402
 from quantkit.kernels import cache as kcache  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue  # noqa: E402
+from quantkit.kernels.ops import call  # noqa: E402
 from quantkit.kernels.sm90 import act_quant as aq  # noqa: E402
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
+from quantkit.nn import QuantLinear  # noqa: E402
 
 
 def host_us(fn, calls: int) -> tuple[float, float]:
@@ -73,6 +77,20 @@ def main():
             rows.append((f"{name} {'tvm-ffi' if tvm_ffi else 'cute executor'}", *host_us(through(name, tvm_ffi), args.calls)))
     rows.append(("bf16 F.linear", *host_us(lambda: torch.nn.functional.linear(x, wb), args.calls)))
     kcache.USE_TVM_FFI = True
+    # The user's path: the custom op through the dispatcher against quantkit.kernels.ops.call (the
+    # op's function, what the backends run in eager mode), and a whole QuantLinear forward.
+    linears = {fmt: QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), fmt)
+               for fmt in ("fp8-block", "nvfp4-w4a16")}
+    x512 = torch.randn(512, k, device="cuda").to(torch.bfloat16)
+    paths = {"fp8_block_linear op, dispatcher, M=1": lambda: fbg.fp8_block_linear_op(x, w8, w8_scale),
+             "fp8_block_linear op, ops.call, M=1": lambda: call(fbg.fp8_block_linear_op, x, w8, w8_scale),
+             "fp8_block_linear op, dispatcher, M=512": lambda: fbg.fp8_block_linear_op(x512, w8, w8_scale),
+             "fp8_block_linear op, ops.call, M=512": lambda: call(fbg.fp8_block_linear_op, x512, w8, w8_scale),
+             "QuantLinear fp8-block M=1": lambda: linears["fp8-block"](x),
+             "QuantLinear fp8-block M=512": lambda: linears["fp8-block"](x512),
+             "QuantLinear nvfp4-w4a16 M=1": lambda: linears["nvfp4-w4a16"](x),
+             "bf16 F.linear M=512": lambda: torch.nn.functional.linear(x512, wb)}
+    rows += [(label, *host_us(fn, args.calls)) for label, fn in paths.items()]
     same = {name: torch.equal(outs[name, True], outs[name, False]) for name in kernels}
     print(f"tvm-ffi available: {kcache.tvm_ffi_available()}; outputs bit-identical across executors: {same}")
     print("contender | host µs/call | total µs/call")

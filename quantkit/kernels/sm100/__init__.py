@@ -28,6 +28,7 @@ import torch
 
 from quantkit.kernels import cache
 from quantkit.kernels.epilogue import IDENTITY, Epilogue
+from quantkit.kernels.ops import kernel_op
 
 FORMATS = ("nvfp4", "mxfp8")
 _VALUE_DTYPE = {"nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn}
@@ -185,7 +186,7 @@ def _out_shape(x_q: torch.Tensor, w_q: torch.Tensor, activation: str) -> tuple[i
     return x_q.shape[0], n // 2 if activation == "swiglu" else n
 
 
-@torch.library.custom_op("quantkit::sm100_blockscaled_gemm", mutates_args=())
+@kernel_op("quantkit::sm100_blockscaled_gemm")
 def sm100_blockscaled_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                            alpha: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None,
                            fmt: str, activation: str) -> torch.Tensor:
@@ -200,7 +201,7 @@ def _(x_q, x_scale, w_q, w_scale, alpha, bias, residual, fmt, activation):
     return x_q.new_empty(_out_shape(x_q, w_q, activation), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("quantkit::sm100_blockscaled_gemm_requant", mutates_args=())
+@kernel_op("quantkit::sm100_blockscaled_gemm_requant")
 def sm100_blockscaled_gemm_requant(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                                    w_scale: torch.Tensor, alpha: torch.Tensor | None, bias: torch.Tensor | None,
                                    residual: torch.Tensor | None, requant_scale: torch.Tensor | None, fmt: str,

@@ -9,6 +9,7 @@ from quantkit.formats import QuantizedWeight, layouts, mx, nvfp4
 from quantkit.formats.codecs import pack_nibbles
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import Epilogue
+from quantkit.kernels.ops import call
 from quantkit.kernels.sm100 import FORMATS, K_MULTIPLE, sm100_blockscaled_gemm
 
 _MXFP8 = mx.MXElement(8)
@@ -45,8 +46,8 @@ def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=N
     lead, k = x.shape[:-1], x.shape[-1]
     x_q, x_scale, w_q, w_scale, alpha = prepare_operands(x.reshape(-1, k), qweight, input_scale)
     res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
-    out = sm100_blockscaled_gemm(x_q, x_scale, w_q, w_scale, alpha, bias if epilogue.bias else None, res,
-                                 qweight.format, epilogue.activation)
+    out = call(sm100_blockscaled_gemm, x_q, x_scale, w_q, w_scale, alpha, bias if epilogue.bias else None, res,
+               qweight.format, epilogue.activation)
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -22,6 +22,7 @@ import torch
 from quantkit.formats import QuantizedWeight, get_format
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
+from quantkit.kernels.ops import call
 
 
 def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
@@ -49,8 +50,9 @@ def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue,
     res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
     b = bias if epilogue.bias else None
     if epilogue.requant is not None:
-        return fp8_block_gemm_requant_op(*act_quant_op(x2), qweight.data, qweight.scale, b, res, epilogue.activation)
-    out = fp8_block_linear_op(x2, qweight.data, qweight.scale, b, res, epilogue.activation)
+        return call(fp8_block_gemm_requant_op, *call(act_quant_op, x2), qweight.data, qweight.scale, b, res,
+                    epilogue.activation)
+    out = call(fp8_block_linear_op, x2, qweight.data, qweight.scale, b, res, epilogue.activation)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -80,8 +82,8 @@ def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, 
         x2 = get_format("nvfp4").activation.qdq(x2, input_scale).to(torch.bfloat16)
     res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
     op = nvfp4_w4a8_format_op if qweight.format == "nvfp4-w4a8" else nvfp4_w4a16_op
-    out = op(x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None, res,
-             epilogue.activation)
+    out = call(op, x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None, res,
+               epilogue.activation)
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -26,6 +26,7 @@ import torch
 
 from quantkit.formats import fp8
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.ops import kernel_op
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -161,7 +162,7 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
     return q, scale
 
 
-@torch.library.custom_op("quantkit::fp8_act_quant", mutates_args=())
+@kernel_op("quantkit::fp8_act_quant")
 def act_quant_op(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.library`` op around :func:`act_quant` (torch.compile, CUDA graphs)."""
     return act_quant(x, norm_weight, eps)

@@ -47,6 +47,7 @@ import torch
 
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
+from quantkit.kernels.ops import kernel_op
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
@@ -792,7 +793,7 @@ def _m_major_empty(m: int, cols: int, device):
     return torch.empty(cols, -(-m // 4) * 4, dtype=torch.float32, device=device)[:, :m].t()
 
 
-@torch.library.custom_op("quantkit::fp8_block_gemm", mutates_args=())
+@kernel_op("quantkit::fp8_block_gemm")
 def fp8_block_gemm_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                       activation: str = "identity") -> torch.Tensor:
@@ -807,7 +808,7 @@ def _(x, x_scale, w, w_scale, bias=None, residual=None, activation="identity"):
     return x.new_empty((x.shape[0], w.shape[0] // (2 if activation == "swiglu" else 1)), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("quantkit::fp8_block_gemm_requant", mutates_args=())
+@kernel_op("quantkit::fp8_block_gemm_requant")
 def fp8_block_gemm_requant_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                               activation: str = "identity") -> tuple[torch.Tensor, torch.Tensor]:
@@ -841,7 +842,7 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     return fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, bias, residual)
 
 
-@torch.library.custom_op("quantkit::fp8_block_linear", mutates_args=())
+@kernel_op("quantkit::fp8_block_linear")
 def fp8_block_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                         residual: torch.Tensor | None = None, activation: str = "identity") -> torch.Tensor:
     """``torch.library`` op around :func:`fp8_block_linear`: one graph for every M (the choice of

@@ -46,6 +46,7 @@ import torch
 
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
+from quantkit.kernels.ops import kernel_op
 
 BK = 128  # K per pipeline stage
 ROWS = 64  # weight rows per warpgroup (WGMMA M)
@@ -956,7 +957,7 @@ def output_shape(x: torch.Tensor, n: int, activation: str) -> tuple[int, int]:
     return x.shape[0], n // 2 if activation == "swiglu" else n
 
 
-@torch.library.custom_op("quantkit::nvfp4_w4a16", mutates_args=())
+@kernel_op("quantkit::nvfp4_w4a16")
 def nvfp4_w4a16_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
                    n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                    activation: str = "identity") -> torch.Tensor:

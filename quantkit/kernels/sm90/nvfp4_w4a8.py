@@ -18,6 +18,7 @@ import torch
 from quantkit.formats.w4a8 import use_w4a8
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.ops import kernel_op
 from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, nvfp4_w4a16, output_shape,
                                               weight_from_tensors)
 
@@ -162,7 +163,7 @@ def nvfp4_w4a8(x: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue = Epilogu
     return nvfp4_w4a8_quantized(xq, xs, w, epilogue, bias, residual, config, out)
 
 
-@torch.library.custom_op("quantkit::nvfp4_w4a8", mutates_args=())
+@kernel_op("quantkit::nvfp4_w4a8")
 def nvfp4_w4a8_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
                   n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                   activation: str = "identity") -> torch.Tensor:
@@ -176,7 +177,7 @@ def _(x, tiles, row_exp, tensor_scale, n, bias=None, residual=None, activation="
     return x.new_empty(output_shape(x, n, activation), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("quantkit::nvfp4_w4a8_format", mutates_args=())
+@kernel_op("quantkit::nvfp4_w4a8_format")
 def nvfp4_w4a8_format_op(x: torch.Tensor, tiles: torch.Tensor, row_exp: torch.Tensor, tensor_scale: torch.Tensor,
                          n: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                          activation: str = "identity") -> torch.Tensor:
