@@ -85,8 +85,8 @@ def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerCont
     for i, layer in enumerate(layers):
         linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
-        def run_block(layer=layer, i=i, hidden=hidden):
-            outs = [layer(h, **kws[i]) for h, (_, kws) in zip(hidden, records)]
+        def run_block(batches=None, layer=layer, i=i, hidden=hidden):
+            outs = [layer(hidden[b], **records[b][1][i]) for b in (range(len(hidden)) if batches is None else batches)]
             return [o[0] if isinstance(o, tuple) else o for o in outs]
 
         observers = {n: InputObserver(m) for n, m in linears.items()}
@@ -102,7 +102,8 @@ def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerCont
 # ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant) folds exactly
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("algo", [AWQ(grid=5), SmoothQuant()], ids=["awq", "smoothquant"])
+@pytest.mark.parametrize("algo", [AWQ(grid=5), AWQ(grid=5, objective="layer"), SmoothQuant()],
+                         ids=["awq", "awq-layer", "smoothquant"])
 def test_folded_smoothing_keeps_float_outputs(arch, algo):
     model = with_outliers(arch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -153,6 +154,8 @@ def test_smoothing_pairs_found(arch):
     ("mxfp4", "gptq", None, 0.75),
     ("nvfp4-w4a16", "awq", {"awq": {"grid": 10}}, 0.9),
     ("nvfp4", "awq", {"awq": {"grid": 10}}, 0.9),
+    ("nvfp4-w4a16", "awq", {"awq": {"grid": 10, "objective": "layer"}}, 0.9),
+    ("nvfp4", "awq", {"awq": {"grid": 10, "objective": "layer"}}, 0.9),
     ("nvfp4-w4a16", "mse", None, 0.9),
     ("nvfp4-w4a16", "mse", {"mse": {"weighted": True}}, 0.7),
     ("nvfp4", "smoothquant", None, 0.8),
@@ -437,6 +440,8 @@ def test_recipes_combine_in_stage_order():
     with pytest.raises(ValueError, match="both choose the transform stage"):
         build(["awq", "smoothquant"])
     assert isinstance(build(["mse"], {"mse": {"weighted": True}})[0], MSE)
+    with pytest.raises(ValueError, match="AWQ objective must be 'linear' or 'layer'"):
+        build(["awq"], {"awq": {"objective": "block"}})
 
 
 def test_default_recipes_build():

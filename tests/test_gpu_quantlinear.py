@@ -9,18 +9,18 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4-w4a16", "nvfp4", "mxfp8"])
-@pytest.mark.parametrize("m", [1, 7, 300])
-def test_quantlinear_cuda_equals_cpu_reference(fmt, m):
-    torch.manual_seed(m)
+@pytest.mark.parametrize("lead", [(1,), (7,), (300,), (2, 5)], ids=str)
+def test_quantlinear_cuda_equals_cpu_reference(fmt, lead):
+    torch.manual_seed(sum(lead))
     lin = torch.nn.Linear(1024, 768, bias=True).to(torch.bfloat16)
     q = QuantLinear.from_linear(lin, fmt)
-    x = torch.randn(m, 1024, dtype=torch.bfloat16)
+    x = torch.randn(*lead, 1024, dtype=torch.bfloat16)
     ref = q(x).float()                                  # CPU: reference path
     qc = q.cuda()
     backend = kernels.select_backend(x.cuda(), qc.qweight, qc.epilogue)
     assert (backend is not None) == (fmt != "mxfp8")    # no Hopper kernel for MX: reference on GPU
     out = qc(x.cuda()).float().cpu()
-    assert torch.isfinite(out).all()
+    assert out.shape == (*lead, 768) and torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 

@@ -7,6 +7,7 @@ PyTorch reference (:mod:`quantkit.kernels.reference`), which computes the same f
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -62,12 +63,18 @@ def _load_backends() -> None:
             log.info("kernel backend %s unavailable: %s", module, err)
 
 
+@functools.lru_cache(maxsize=64)
+def _major(device: torch.device) -> int:
+    """Compute-capability major version of the CUDA ``device`` (cached: the query costs µs per call)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY) -> Backend | None:
     """The GPU backend ``gemm`` would use for these operands, or ``None`` for the reference path."""
     if getattr(_state, "reference", False) or not x.is_cuda:
         return None
     _load_backends()
-    major = torch.cuda.get_device_capability(x.device)[0]
+    major = _major(x.device)
     for backend in _BACKENDS:
         if major in backend.capability and backend.supports(x, qweight, epilogue):
             return backend

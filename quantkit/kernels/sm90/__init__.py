@@ -25,6 +25,16 @@ from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 from quantkit.kernels.ops import call
 
 
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., C]`` as ``[rows, C]`` (``t`` itself when already 2-D: no view to build per call)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def unrows(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out [rows, N]`` back to ``like``'s leading shape, ``[..., N]``."""
+    return out if like.dim() == 2 else out.reshape(*like.shape[:-1], out.shape[-1])
+
+
 def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
     """Whether the sm90 fp8-block kernel computes ``x @ qweight`` with ``epilogue``."""
     n, k = qweight.shape
@@ -45,15 +55,12 @@ def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue,
     from quantkit.kernels.sm90.act_quant import act_quant_op
     from quantkit.kernels.sm90.fp8_block_gemm import fp8_block_gemm_requant_op, fp8_block_linear_op
 
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    x2, res = rows(x), rows(residual) if epilogue.residual else None
     b = bias if epilogue.bias else None
     if epilogue.requant is not None:
         return call(fp8_block_gemm_requant_op, *call(act_quant_op, x2), qweight.data, qweight.scale, b, res,
                     epilogue.activation)
-    out = call(fp8_block_linear_op, x2, qweight.data, qweight.scale, b, res, epilogue.activation)
-    return out.reshape(*lead, out.shape[-1])
+    return unrows(call(fp8_block_linear_op, x2, qweight.data, qweight.scale, b, res, epilogue.activation), x)
 
 
 register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_run))
@@ -76,15 +83,14 @@ def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, 
     if "sm90" not in qweight.layouts:
         qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
     w = qweight.layouts["sm90"]
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = rows(x)
     if qweight.format == "nvfp4":
         x2 = get_format("nvfp4").activation.qdq(x2, input_scale).to(torch.bfloat16)
-    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    res = rows(residual) if epilogue.residual else None
     op = nvfp4_w4a8_format_op if qweight.format == "nvfp4-w4a8" else nvfp4_w4a16_op
     out = call(op, x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None, res,
                epilogue.activation)
-    return out.reshape(*lead, out.shape[-1])
+    return unrows(out, x)
 
 
 register_backend(Backend("sm90-nvfp4", (9,), nvfp4_supports, nvfp4_run))
