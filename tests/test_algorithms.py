@@ -102,8 +102,7 @@ def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerCont
 # ---------------------------------------------------------------- smoothing (AWQ, SmoothQuant) folds exactly
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("algo", [AWQ(grid=5), AWQ(grid=5, objective="layer"), SmoothQuant()],
-                         ids=["awq", "awq-layer", "smoothquant"])
+@pytest.mark.parametrize("algo", [AWQ(grid=5), SmoothQuant()], ids=["awq", "smoothquant"])
 def test_folded_smoothing_keeps_float_outputs(arch, algo):
     model = with_outliers(arch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -154,8 +153,6 @@ def test_smoothing_pairs_found(arch):
     ("mxfp4", "gptq", None, 0.75),
     ("nvfp4-w4a16", "awq", {"awq": {"grid": 10}}, 0.9),
     ("nvfp4", "awq", {"awq": {"grid": 10}}, 0.9),
-    ("nvfp4-w4a16", "awq", {"awq": {"grid": 10, "objective": "layer"}}, 0.9),
-    ("nvfp4", "awq", {"awq": {"grid": 10, "objective": "layer"}}, 0.9),
     ("nvfp4-w4a16", "mse", None, 0.9),
     ("nvfp4-w4a16", "mse", {"mse": {"weighted": True}}, 0.7),
     ("nvfp4", "smoothquant", None, 0.8),
@@ -440,8 +437,6 @@ def test_recipes_combine_in_stage_order():
     with pytest.raises(ValueError, match="both choose the transform stage"):
         build(["awq", "smoothquant"])
     assert isinstance(build(["mse"], {"mse": {"weighted": True}})[0], MSE)
-    with pytest.raises(ValueError, match="AWQ objective must be 'linear' or 'layer'"):
-        build(["awq"], {"awq": {"objective": "block"}})
 
 
 def test_default_recipes_build():

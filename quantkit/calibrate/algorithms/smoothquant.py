@@ -136,8 +136,10 @@ def _rescaled(stats: InputStats, s: torch.Tensor) -> InputStats:
 
 
 @torch.no_grad()
-def fold_producer(pair: SmoothingPair, s: torch.Tensor) -> None:
-    """Divide the producer's output channel ``c`` by ``s[c]`` (FP32 ``[C]``, positive) in place."""
+def fold(pair: SmoothingPair, s: torch.Tensor, ctx: LayerContext) -> None:
+    """Smooth ``pair`` by ``s`` (FP32 ``[C]``, positive) in place: the producer's output channel
+    ``c`` is divided by ``s[c]``, the consumers' matching weight columns multiplied; updates the
+    consumers' ``ctx.stats`` and the layer's ``ctx.weight_amax``."""
     p = pair.producer
     s64 = s.double().to(p.weight.device)
     if isinstance(p, nn.Linear):
@@ -146,14 +148,7 @@ def fold_producer(pair: SmoothingPair, s: torch.Tensor) -> None:
         p.weight.copy_((p.weight.double() + pair.offset) / s64 - pair.offset)
     if getattr(p, "bias", None) is not None:
         p.bias.copy_(p.bias.double() / s64)
-
-
-def fold(pair: SmoothingPair, s: torch.Tensor, ctx: LayerContext) -> None:
-    """Smooth ``pair`` by ``s`` (FP32 ``[C]``, positive) in place: the producer's output channel
-    ``c`` is divided by ``s[c]``, the consumers' matching weight columns multiplied; updates the
-    consumers' ``ctx.stats`` and the layer's ``ctx.weight_amax``."""
-    fold_producer(pair, s)
-    s_in = pair.to_input(s.double().to(pair.producer.weight.device))
+    s_in = pair.to_input(s64)
     for name, linear in pair.consumers.items():
         linear.weight.copy_(linear.weight.double() * s_in.to(linear.weight.device))
         if name in ctx.stats:
