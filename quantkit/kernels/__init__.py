@@ -7,7 +7,6 @@ PyTorch reference (:mod:`quantkit.kernels.reference`), which computes the same f
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -63,10 +62,15 @@ def _load_backends() -> None:
             log.info("kernel backend %s unavailable: %s", module, err)
 
 
-@functools.lru_cache(maxsize=64)
+_MAJOR: dict[torch.device, int] = {}
+
+
 def _major(device: torch.device) -> int:
-    """Compute-capability major version of the CUDA ``device`` (cached: the query costs µs per call)."""
-    return torch.cuda.get_device_capability(device)[0]
+    """Compute-capability major version of the CUDA ``device`` (cached: the query costs µs per call;
+    a dict rather than ``lru_cache``, which torch.compile warns about when it traces through)."""
+    if device not in _MAJOR:
+        _MAJOR[device] = torch.cuda.get_device_capability(device)[0]
+    return _MAJOR[device]
 
 
 def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY) -> Backend | None:
