@@ -29,6 +29,9 @@ L2_BYTES = 60 << 20
 SQUARE = [(8192, 8192, 8192)]
 DSV3 = [(n, k, m) for n, k in [(2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)] for m in (64, 128, 4096)]
 LLAMA = [(n, k, m) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] for m in (1, 16, 4096)]
+# Hugging Face Llama runs k_proj / v_proj unfused: a 1024-row weight fills few SMs at prefill sizes
+# (session 9: 0.61x bf16 at M=128 through the untabled default tile).
+UNFUSED = [(1024, 4096, m) for m in (128, 512, 2048)]
 CANDIDATES = [
     fbg.TileConfig(64, 64), fbg.TileConfig(64, 128), fbg.TileConfig(128, 64), fbg.TileConfig(128, 128),
     fbg.TileConfig(64, 128, 1, 2), fbg.TileConfig(128, 128, 1, 2),
@@ -139,7 +142,7 @@ def main() -> None:
 
     tuned: dict[tuple[int, int, int], fbg.TileConfig] = {}
     if args.tune:
-        for n, k in sorted({(n, k) for n, k, _ in SQUARE + DSV3 + LLAMA}):
+        for n, k in sorted({(n, k) for n, k, _ in SQUARE + DSV3 + LLAMA + UNFUSED}):
             for m in TUNE_M:
                 prob = Problem(m, n, k, gen)
                 times = {}
@@ -161,7 +164,7 @@ def main() -> None:
             print(f"    ({n}, {k}): ({rows}),")
         print("}")
 
-    rows = SQUARE + DSV3 + LLAMA
+    rows = SQUARE + DSV3 + LLAMA + UNFUSED
     if args.ab:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
     for n, k, m in rows:
