@@ -34,6 +34,16 @@ def apply_epilogue(acc: torch.Tensor, epilogue: Epilogue, bias: torch.Tensor | N
     raise NotImplementedError(f"reference requant to {epilogue.requant!r} is not implemented")
 
 
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., C]`` as ``[rows, C]`` (``t`` itself when already 2-D: no view to build per call)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def unrows(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out [rows, N]`` back to ``like``'s leading shape, ``[..., N]``."""
+    return out if like.dim() == 2 else out.reshape(*like.shape[:-1], out.shape[-1])
+
+
 def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY, *,
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          input_scale: torch.Tensor | None = None, weight: torch.Tensor | None = None):
@@ -41,14 +51,13 @@ def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTIT
     in ``x.dtype`` (or the requant pair). ``weight``: an already dequantized copy of ``qweight``
     (FP32 or exact lower precision) to skip re-decoding it on every call."""
     fmt = get_format(qweight.format)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = rows(x)
     if fmt.accumulate is not None:
         acc = fmt.accumulate(x2, qweight, weight)
     else:
         xq = fmt.activation.qdq(x2, input_scale) if fmt.activation is not None else x2
         w = qweight.dequantize() if weight is None else weight
         acc = xq.to(w.dtype) @ w.T
-    res = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
+    res = rows(residual) if residual is not None else None
     out = apply_epilogue(acc, epilogue, bias, res, x.dtype)
-    return out.reshape(*lead, out.shape[-1]) if isinstance(out, torch.Tensor) else out
+    return unrows(out, x) if isinstance(out, torch.Tensor) else out

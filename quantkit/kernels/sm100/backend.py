@@ -10,6 +10,7 @@ from quantkit.formats.codecs import pack_nibbles
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.ops import call
+from quantkit.kernels.reference import rows, unrows
 from quantkit.kernels.sm100 import FORMATS, K_MULTIPLE, sm100_blockscaled_gemm
 
 _MXFP8 = mx.MXElement(8)
@@ -43,12 +44,11 @@ def supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> b
 
 def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None, input_scale=None):
     """``x [..., K]`` bf16 -> bf16 ``[..., N]`` through the sm_100 kernel."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x_q, x_scale, w_q, w_scale, alpha = prepare_operands(x.reshape(-1, k), qweight, input_scale)
-    res = residual.reshape(-1, residual.shape[-1]) if epilogue.residual else None
+    x_q, x_scale, w_q, w_scale, alpha = prepare_operands(rows(x), qweight, input_scale)
+    res = rows(residual) if epilogue.residual else None
     out = call(sm100_blockscaled_gemm, x_q, x_scale, w_q, w_scale, alpha, bias if epilogue.bias else None, res,
                qweight.format, epilogue.activation)
-    return out.reshape(*lead, out.shape[-1])
+    return unrows(out, x)
 
 
 register_backend(Backend("sm100-blockscaled", (10,), supports, run))

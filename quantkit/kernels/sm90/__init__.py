@@ -23,16 +23,7 @@ from quantkit.formats import QuantizedWeight, get_format
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 from quantkit.kernels.ops import call
-
-
-def rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., C]`` as ``[rows, C]`` (``t`` itself when already 2-D: no view to build per call)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def unrows(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``out [rows, N]`` back to ``like``'s leading shape, ``[..., N]``."""
-    return out if like.dim() == 2 else out.reshape(*like.shape[:-1], out.shape[-1])
+from quantkit.kernels.reference import rows, unrows
 
 
 def fp8_block_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
