@@ -7,7 +7,8 @@ copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and 
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
-``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant.
+``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant;
+``--shapes N,K ...`` keeps only those weight shapes.
 """
 from __future__ import annotations
 
@@ -131,6 +132,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-rows", type=int, default=None, metavar="M",
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
+                        help="only these (N, K) weight shapes (tuning and table rows)")
     parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
                         help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
                              "(also for the epilogue rows), and stop after those rows")
@@ -140,9 +143,13 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 
+    rows = SQUARE + DSV3 + LLAMA + UNFUSED
+    if args.shapes:
+        keep = {tuple(int(v) for v in s.split(",")) for s in args.shapes}
+        rows = [(n, k, m) for n, k, m in rows if (n, k) in keep]
     tuned: dict[tuple[int, int, int], fbg.TileConfig] = {}
     if args.tune:
-        for n, k in sorted({(n, k) for n, k, _ in SQUARE + DSV3 + LLAMA + UNFUSED}):
+        for n, k in sorted({(n, k) for n, k, _ in rows}):
             for m in TUNE_M:
                 prob = Problem(m, n, k, gen)
                 times = {}
@@ -160,11 +167,10 @@ def main() -> None:
                 del prob
         print("_DISPATCH = {")
         for n, k in sorted({(n, k) for n, k, _ in tuned}):
-            rows = ", ".join(f"({m if m < TUNE_M[-1] else '1 << 31'}, {tuned[(n, k, m)]!r})" for m in TUNE_M)
-            print(f"    ({n}, {k}): ({rows}),")
+            entries = ", ".join(f"({m if m < TUNE_M[-1] else '1 << 31'}, {tuned[(n, k, m)]!r})" for m in TUNE_M)
+            print(f"    ({n}, {k}): ({entries}),")
         print("}")
 
-    rows = SQUARE + DSV3 + LLAMA + UNFUSED
     if args.ab:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
     for n, k, m in rows:

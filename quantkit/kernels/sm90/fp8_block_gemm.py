@@ -683,6 +683,7 @@ _NB4 = TileConfig(128, 192, 2, 1, overlap=False, raster=4)  # 192-column tiles, 
 _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
     (n, k): tuple(zip(_M_BUCKETS, cfgs))
     for (n, k), cfgs in {
+        (1024, 4096): (_S, _S, _S, _S, _S, TileConfig(128, 128)),
         (2112, 7168): (_S, _S, _S, _S, _T, _NB4),
         (4096, 4096): (_W, _W, _S, _S, _L, _L),
         (4096, 7168): (_W, _W, _S, _S, _L, _LC8),

@@ -47,6 +47,7 @@ import torch
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
+from quantkit.kernels.sm90 import split_k
 
 BK = 128  # K per pipeline stage
 ROWS = 64  # weight rows per warpgroup (WGMMA M)
@@ -704,41 +705,16 @@ def _kernel_class():
             tid_c = wg * 128 + ct  # thread index among the CTA's consumers
             is_last = Int32(1)
             if cutlass.const_expr(cfg.splits > 1):
-                # Serial split-K: publish this CTA's FP32 partial tile; the last CTA of the tile to
-                # arrive (per-tile counter) sums all partials in split order (deterministic).
-                # Release/acquire: CTA barrier + one acq_rel atomic (cumulative), then a fence.
+                # Serial split-K (split_k.py): the last CTA of the tile to arrive sums the partials.
                 grid_x, grid_y, _ = cute.arch.grid_dim()
                 tile = by * grid_x + bx
                 row_len = 128 * self.wgs * self.acc_n  # partial floats per tile
-                split_stride = grid_x * grid_y * row_len
                 mine = ws_ptr + Int64(tile * row_len + tid_c * self.acc_n) * 4
                 part = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=16),
-                                        cute.make_layout((self.acc_n, cfg.splits), stride=(1, split_stride)))
-                acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n))
-                cute.autovec_copy(acc_flat, part[None, bz])
-                epi_bar.arrive_and_wait()
-                counter = cute.make_tensor(cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + tile,
-                                           cute.make_layout(1))
-                if tid_c == 0:
-                    flag[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
-                epi_bar.arrive_and_wait()
-                is_last = Int32(0)
-                if flag[0] == cfg.splits - 1:
-                    is_last = Int32(1)
-                if is_last != 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    parts = cute.make_rmem_tensor((4, cfg.splits), Float32)
-                    for c in cutlass.range_constexpr(self.acc_n // 4):  # all splits' loads in flight at once
-                        for j in cutlass.range_constexpr(cfg.splits):
-                            src = cute.make_tensor(part[None, j].iterator + c * 4, cute.make_layout(4))
-                            cute.autovec_copy(src, parts[None, j])
-                        for v in cutlass.range_constexpr(4):
-                            total = parts[v, 0]
-                            for j in cutlass.range_constexpr(1, cfg.splits):
-                                total = total + parts[v, j]
-                            acc_flat[c * 4 + v] = total
-                    if tid_c == 0:
-                        counter[0] = Int32(0)  # ready for the next launch
+                                        cute.make_layout((self.acc_n, cfg.splits), stride=(1, grid_x * grid_y * row_len)))
+                counter = cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + tile
+                is_last = split_k.dsl_reduce()(cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n)), part, bz,
+                                               cfg.splits, counter, tid_c, flag, epi_bar.arrive_and_wait, 4)
             if is_last != 0:
                 self.store(acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                            m, n_out, n_rows)
@@ -874,19 +850,6 @@ def use_gemv(m: int) -> bool:
     return m <= GEMV_MAX_M
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-COUNTERS = 1 << 16
-
-
-def counter_buffer(device: torch.device) -> torch.Tensor:
-    """Per-device split-K tile counters; zero between launches (each kernel resets its own).
-    Launches sharing a device must be stream-ordered (one stream, or a CUDA graph)."""
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
           config: Config | None, tvm_ffi: bool):
@@ -923,11 +886,10 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
     ws = counters = None
     if config.splits > 1:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
-        if tiles > COUNTERS:
-            raise ValueError(f"{tiles} split-K tiles exceed the counter buffer ({COUNTERS})")
+        split_k.check_tiles(tiles)
         ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,
                          device=x_arg.device)
-        counters = counter_buffer(x_arg.device)
+        counters = split_k.counter_buffer(x_arg.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stream = launch_stream(x_arg.device, tvm_ffi)
     fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),

@@ -41,6 +41,7 @@ import torch
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 from quantkit.kernels.sm90 import nvfp4_gemm as ng
+from quantkit.kernels.sm90 import split_k
 
 MAX_M = 8  # tokens: the MMA N
 X_ROW = 272  # bytes per token row of a k-tile's activations in the ring (256 + 16: no bank conflicts)
@@ -382,30 +383,9 @@ def _kernel_class():
                 mine = ws_ptr + Int64(bx * self.rows * self.mt + tidx) * 4
                 ws = cute.make_tensor(cute.make_ptr(Float32, mine, cute.AddressSpace.gmem, assumed_align=4),
                                       cute.make_layout((per_thread, cfg.splits), stride=(self.threads, stride)))
-                for e in cutlass.range_constexpr(per_thread):
-                    ws[e, bz] = vals[e]
-                cute.arch.sync_threads()
-                counter = cute.make_tensor(cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + bx,
-                                           cute.make_layout(1))
-                if tidx == 0:
-                    flag[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
-                cute.arch.sync_threads()
-                is_last = Int32(0)
-                if flag[0] == cfg.splits - 1:
-                    is_last = Int32(1)
-                if is_last != 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    parts = cute.make_rmem_tensor((per_thread, cfg.splits), Float32)
-                    for e in cutlass.range_constexpr(per_thread):  # every load in flight at once
-                        for j in cutlass.range_constexpr(cfg.splits):
-                            parts[e, j] = ws[e, j]
-                    for e in cutlass.range_constexpr(per_thread):
-                        total = parts[e, 0]
-                        for j in cutlass.range_constexpr(1, cfg.splits):
-                            total = total + parts[e, j]
-                        vals[e] = total
-                    if tidx == 0:
-                        counter[0] = Int32(0)  # ready for the next launch
+                counter = cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + bx
+                is_last = split_k.dsl_reduce()(vals, ws, bz, cfg.splits, counter, tidx, flag, cute.arch.sync_threads,
+                                               per_thread)
             for e in cutlass.range_constexpr(per_thread):
                 idx = tidx + e * self.threads
                 fin[idx // self.mt, idx % self.mt] = vals[e]
@@ -512,10 +492,9 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     ws = counters = None
     if config.splits > 1 and not config.cluster:
         ctas = n_pad // (ng.ROWS * config.tiles)
-        if ctas > ng.COUNTERS:
-            raise ValueError(f"{ctas} split-K row blocks exceed the counter buffer ({ng.COUNTERS})")
+        split_k.check_tiles(ctas)
         ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
-        counters = ng.counter_buffer(x.device)
+        counters = split_k.counter_buffer(x.device)
     stream = launch_stream(x.device, tvm_ffi)
     fn(x.data_ptr(), w.tiles.data_ptr(), w.tensor_scale.data_ptr(), out.data_ptr(),
        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
