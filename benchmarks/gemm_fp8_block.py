@@ -8,9 +8,7 @@ with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``-
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
 ``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant;
-``--splitk`` times, on the small-M rows, the unsplit table config and every ``SPLIT_TILES`` tile at
-each K-split that fits two waves, against the split ``pick_config`` chooses; ``--shapes N,K ...``
-keeps only those weight shapes.
+``--shapes N,K ...`` keeps only those weight shapes.
 """
 from __future__ import annotations
 
@@ -41,10 +39,6 @@ CANDIDATES = [
     fbg.TileConfig(64, 64, overlap=False), fbg.TileConfig(128, 128, overlap=False),
 ]
 TUNE_M = (1, 16, 64, 128, 512, 4096)
-# --splitk: the small-M rows (plus batch-32 decode and M=128 prefill chunks of the Llama shapes).
-SPLITK_ROWS = [(n, k, m) for n, k, m in DSV3 + LLAMA + UNFUSED if m <= 512] + [
-    (n, k, m) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] for m in (32, 128)]
-SPLIT_TILES = [fbg.TileConfig(64, 64), fbg.TileConfig(64, 128), fbg.TileConfig(128, 64), fbg.TileConfig(128, 128)]
 # Rows whose bias+SiLU(+requant) epilogues are timed against the bare GEMM.
 EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
 # Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, or the
@@ -132,34 +126,6 @@ class Problem:
             return float("nan")
 
 
-def splitk_row(prob: Problem) -> dict:
-    """Times of the table's unsplit config, of ``pick_config`` and of every ``SPLIT_TILES`` tile at
-    1-4 K-splits (at most two waves, each split >= 4 k-tiles) on ``prob``; prints one line."""
-    m, n, k = prob.m, prob.n, prob.k
-    k_tiles = k // fbg.BLOCK
-    picked = fbg.pick_config(m, n, k)
-    cands = {"table": fbg.table_config(m, n, k), "picked": picked}
-    for tile in SPLIT_TILES:
-        ctas = -(-m // tile.tile_m) * -(-n // tile.tile_n)
-        for s in (1, 2, 3, 4):
-            if k_tiles % s == 0 and k_tiles // s >= 4 and (s == 1 or ctas * s <= 264):
-                cands[f"{tile.tile_m}x{tile.tile_n}/{s}"] = replace(tile, splits=s, defer_epilogue=s == 1)
-    times = {}
-    for name, cfg in cands.items():
-        try:
-            prob.check(cfg)
-            times[name] = prob.ours(cfg)
-        except (AssertionError, RuntimeError, ValueError) as err:
-            print(f"  {name} {cfg}: {str(err).splitlines()[0][:160]}", flush=True)
-            times[name] = float("inf")
-    t_bf16, t_smm = prob.bf16(), prob.scaled_mm_rowwise()
-    best = min(times, key=times.get)
-    print(f"splitk M={m:4d} N={n:6d} K={k:6d}: table {times['table']:6.1f} picked(s={picked.splits}) {times['picked']:6.1f}"
-          f" best {best} {times[best]:6.1f} | bf16 {t_bf16:6.1f} smm {t_smm:6.1f} | x{t_bf16 / times['picked']:.2f} bf16 | "
-          + " ".join(f"{nm}:{t:.1f}" for nm, t in times.items() if nm not in ("table", "picked")), flush=True)
-    return dict(m=m, n=n, k=k, picked=str(picked), times=times, bf16_us=t_bf16, scaled_mm_us=t_smm)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -168,7 +134,6 @@ def main() -> None:
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
                         help="only these (N, K) weight shapes (tuning and table rows)")
-    parser.add_argument("--splitk", action="store_true", help="time K-split candidates on SPLITK_ROWS, then stop")
     parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
                         help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
                              "(also for the epilogue rows), and stop after those rows")
@@ -182,13 +147,6 @@ def main() -> None:
     if args.shapes:
         keep = {tuple(int(v) for v in s.split(",")) for s in args.shapes}
         rows = [(n, k, m) for n, k, m in rows if (n, k) in keep]
-    if args.splitk:
-        results["splitk"] = [splitk_row(Problem(m, n, k, gen)) for n, k, m in SPLITK_ROWS
-                             if not args.shapes or (n, k) in keep]
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gemm_fp8_block_splitk.json").write_text(json.dumps(results, indent=1))
-        return
     tuned: dict[tuple[int, int, int], fbg.TileConfig] = {}
     if args.tune:
         for n, k in sorted({(n, k) for n, k, _ in rows}):

@@ -48,7 +48,6 @@ import torch
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
-from quantkit.kernels.sm90 import split_k
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
@@ -71,7 +70,6 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
-    splits: int = 1  # K-splits across CTAs (serial split-K, split_k.py): grids that fill few SMs
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -90,8 +88,6 @@ class TileConfig:
             raise ValueError(f"unroll must be 4 or 8 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
-        if not 1 <= self.splits <= 16:
-            raise ValueError(f"splits must be 1..16, got {self.splits}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -148,8 +144,6 @@ class Fp8BlockGemmSm90:
         bias_ptr: cutlass.Int64,  # bias  [N']            bias_dtype (0 if unused)
         res_ptr: cutlass.Int64,  # residual [M, N]        bf16 (0 if unused)
         ds_ptr: cutlass.Int64,  # requant scales [M, N/128] fp32, M-major like x_scale (0 if unused)
-        ws_ptr: cutlass.Int64,  # split-K partials [splits, tiles, tile_m * tile_n] fp32 (0 if unsplit)
-        cnt_ptr: cutlass.Int64,  # split-K tile counters [tiles] int32, zero (0 if unsplit)
         m: cutlass.Int32,
         n: cutlass.Int32,  # N' (weight rows)
         k: cutlass.Int32,
@@ -216,14 +210,12 @@ class Fp8BlockGemmSm90:
         )
         num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
         # raster > 1 rounds the N-cluster count up to a multiple of it: the kernel skips those clusters.
-        # Work units (M-tile, N-tile, K-split); a tile's splits run in different waves or CTAs.
-        sched = utils.PersistentTileSchedulerParams((*num_tiles, self.cfg.splits), (*self.cluster_mn, 1), self.cfg.raster, True)
+        sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            flag: cute.struct.MemRange[cutlass.Int32, 4]  # split-K arrival count, broadcast to the consumers
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
@@ -231,7 +223,7 @@ class Fp8BlockGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, tA, tma_b, tB, tma_sa, tSA, tma_d, tD, mSB, mD, mBias, mRes, mDS, ws_ptr, cnt_ptr, sched,
+            tma_a, tA, tma_b, tB, tma_sa, tSA, tma_d, tD, mSB, mD, mBias, mRes, mDS, sched,
             self.tiled_mma, self.tiled_mma_out, self.cta_layout_mnk,
             self.a_smem_staged, self.b_smem_staged, self.sa_smem_staged, self.epi_smem_staged,
         ).launch(
@@ -274,7 +266,6 @@ class Fp8BlockGemmSm90:
         tma_d: cute.CopyAtom | None, mD_tma: cute.Tensor | None,
         mSB: cute.Tensor, mD: cute.Tensor,
         mBias: cute.Tensor | None, mRes: cute.Tensor | None, mDS: cute.Tensor | None,
-        ws_ptr: cutlass.Int64, cnt_ptr: cutlass.Int64,
         sched_params: utils.PersistentTileSchedulerParams,
         tiled_mma: cute.TiledMma, tiled_mma_out: cute.TiledMma, cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
@@ -334,7 +325,7 @@ class Fp8BlockGemmSm90:
         tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
             tma_sa, 0, cute.make_layout(1), cute.group_modes(sSA, 0, 2), cute.group_modes(gSA, 0, 2)
         )
-        k_tiles = cute.size(gA, mode=[3]) // self.cfg.splits  # per K-split (the host keeps K/128 divisible)
+        k_tiles = cute.size(gA, mode=[3])
         n_tiles = cute.size(gB, mode=[2])
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
@@ -351,7 +342,7 @@ class Fp8BlockGemmSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consumer(
                 tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
-                tma_d, mSB, mD, mBias, mRes, mDS, (ws_ptr, cnt_ptr, storage.flag.get_tensor(cute.make_layout(4))),
+                tma_d, mSB, mD, mBias, mRes, mDS,
             )
 
     @cute.jit
@@ -363,9 +354,9 @@ class Fp8BlockGemmSm90:
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while work.is_valid_tile:
-            tm, tn, split = work.tile_idx
+            tm, tn, _ = work.tile_idx
             if self._real_tile(tn, n_tiles):
-                for kt in range(split * k_tiles, (split + 1) * k_tiles):
+                for kt in range(k_tiles):
                     ab_pipe.producer_acquire(state)
                     bar = ab_pipe.producer_get_barrier(state)
                     cute.copy(tma_a, tAgA[(None, tm, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
@@ -380,7 +371,7 @@ class Fp8BlockGemmSm90:
     @cute.jit
     def _consumer(
         self, tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, ctid, warp_idx, sA, sB, sSA, sD, gD, tma_d, mSB, mD,
-        mBias, mRes, mDS, split_k_args,
+        mBias, mRes, mDS,
     ):
         wg = ctid // 128
         thr_mma_wg = tiled_mma.get_slice(wg * 128)
@@ -418,7 +409,6 @@ class Fp8BlockGemmSm90:
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
             r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
         epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
-        reduce_args = (n_tiles, ctid, *split_k_args)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -426,13 +416,11 @@ class Fp8BlockGemmSm90:
         tiles_done = cutlass.Int32(0)
         prev_tm = cutlass.Int32(0)  # the tile whose epilogue is pending
         prev_tn = cutlass.Int32(0)
-        prev_split = cutlass.Int32(0)
         bufs = (tmp, tmp2)
         unroll = self.cfg.unroll if self.cfg.overlap else 1
         while work.is_valid_tile:
-            tm, tn, split = work.tile_idx
+            tm, tn, _ = work.tile_idx
             if self._real_tile(tn, n_tiles):
-                kt_begin = split * k_tiles
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
                 s_lo = [None] * unroll
@@ -441,12 +429,11 @@ class Fp8BlockGemmSm90:
                 # while they compute, then retire them; the first promotion initialises acc.
                 for u in cutlass.range_constexpr(min(2, unroll)):
                     tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                        tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt_begin + u, sSA, mSB, seg_blocks,
-                        row_lo, row_hi)
+                        tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
                     read.advance()
                 if cutlass.const_expr(self.cfg.defer_epilogue):
                     if tiles_done > 0:
-                        self._finish_tile(acc, prev_tm, prev_tn, prev_split, reduce_args, *epi)
+                        self._finish_tile(acc, prev_tm, prev_tn, *epi)
                 # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
                 # `unroll` k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
                 # accumulator group stays in flight across a loop back-edge. Needs K/128 % unroll == 0
@@ -454,8 +441,7 @@ class Fp8BlockGemmSm90:
                 for u in cutlass.range_constexpr(1, unroll + 1):
                     if cutlass.const_expr(2 <= u < unroll):
                         tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                            tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt_begin + u, sSA, mSB, seg_blocks,
-                            row_lo, row_hi)
+                            tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
                         read.advance()
                     cute.nvgpu.warpgroup.wait_group(1 if u < unroll else 0)
                     ab_pipe.consumer_release(state)
@@ -467,7 +453,7 @@ class Fp8BlockGemmSm90:
                     for u in cutlass.range_constexpr(unroll + 1):
                         if cutlass.const_expr(u < unroll):
                             tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                                tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt_begin + kt0 + u, sSA, mSB, seg_blocks,
+                                tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks,
                                 row_lo, row_hi)
                             read.advance()
                         if cutlass.const_expr(u > 0):
@@ -476,16 +462,15 @@ class Fp8BlockGemmSm90:
                             state.advance()
                             self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
                 if cutlass.const_expr(not self.cfg.defer_epilogue):
-                    self._finish_tile(acc, tm, tn, split, reduce_args, *epi)
+                    self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
                 prev_tn = tn
-                prev_split = split
                 tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
         if cutlass.const_expr(self.cfg.defer_epilogue):
             if tiles_done > 0:
-                self._finish_tile(acc, prev_tm, prev_tn, prev_split, reduce_args, *epi)
+                self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
 
     @cute.jit
@@ -500,42 +485,9 @@ class Fp8BlockGemmSm90:
         return tiled_mma, s_lo, s_hi
 
     @cute.jit
-    def _finish_tile(self, acc, tm, tn, split, reduce_args, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
+    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
                      store_pipe, r2s, warp_idx):
-        """Epilogue of K-split ``split`` of tile (tm, tn): with split-K, the partial sums meet first
-        (only the CTA that arrives last goes on); then the math in registers, the tile into sD, one
-        TMA store group."""
-        if self._last_split(acc, tm, tn, split, m_total, *reduce_args) != 0:
-            self._store_tile(acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
-                             store_pipe, r2s, warp_idx)
-
-    @cute.jit
-    def _last_split(self, acc, tm, tn, split, m_total, n_tiles, ctid, ws_ptr, cnt_ptr, flag):
-        """1 where ``acc`` holds the tile's full sum: always unsplit; with split-K, in the CTA whose
-        split arrives last (its ``acc`` then the sum over splits in split order), else 0."""
-        is_last = cutlass.Int32(1)
-        if cutlass.const_expr(self.cfg.splits > 1):
-            tile_len = self.cfg.tile_m * self.cfg.tile_n  # partial floats per tile and split
-            vals = cute.size(acc)
-            # tiles rounded up to whole clusters: a cluster's CTAs past M or N still run their unit
-            cm, cn = self.cluster_mn
-            tiles_m = ((m_total + self.cfg.tile_m - 1) // self.cfg.tile_m + cm - 1) // cm * cm
-            tiles_n = (n_tiles + cn - 1) // cn * cn
-            tiles = tiles_m * tiles_n
-            tile = tm * tiles_n + tn
-            mine = ws_ptr + cutlass.Int64(tile * tile_len + ctid * vals) * 4
-            part = cute.make_tensor(cute.make_ptr(cutlass.Float32, mine, cute.AddressSpace.gmem, assumed_align=16),
-                                    cute.make_layout((vals, self.cfg.splits), stride=(1, tiles * tile_len)))
-            counter = cute.make_ptr(cutlass.Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + tile
-            is_last = split_k.dsl_reduce()(cute.make_tensor(acc.iterator, cute.make_layout(vals)), part, split,
-                                           self.cfg.splits, counter, ctid, flag, self.epi_barrier.arrive_and_wait, 4)
-        return is_last
-
-    @cute.jit
-    def _store_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
-                    store_pipe, r2s, warp_idx):
-        """Epilogue of tile (tm, tn) from its full FP32 sum ``acc``: math in registers, the tile
-        into sD, one TMA store group."""
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
         m0 = tm * self.cfg.tile_m
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
@@ -748,9 +700,9 @@ _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
 _DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _S, _T, _L, _LC4)))
 
 
-def table_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
-    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue`` (unsplit);
-    set to ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""
+def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
+    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; set to
+    ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""
     for max_m, cfg in _DISPATCH.get((n, k), _DEFAULT):
         if m <= max_m:
             break
@@ -760,29 +712,12 @@ def table_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> Til
     return cfg
 
 
-def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue(), num_sms: int = 132) -> TileConfig:
-    """:func:`table_config`, K-split by :func:`pick_splits` where its tiles fill few of ``num_sms``."""
-    cfg = table_config(m, n, k, epilogue)
-    splits = pick_splits(m, n, k, cfg, num_sms)
-    # a split grid is one wave: no next tile for a deferred epilogue to overlap
-    return replace(cfg, splits=splits, defer_epilogue=cfg.defer_epilogue and splits == 1)
-
-
-def pick_splits(m: int, n: int, k: int, cfg: TileConfig, num_sms: int = 132) -> int:
-    """K-splits for ``cfg``'s tiles of ``x[m, k] @ w[n, k].T``: the most (up to 4) whose CTAs still
-    fit one wave of ``num_sms``, each split keeping at least 8 k-tiles in whole groups of 4."""
-    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
-    k_tiles = k // BLOCK
-    fits = [s for s in (2, 3, 4) if tiles * s <= num_sms and k_tiles % (4 * s) == 0 and k_tiles // s >= 8]
-    return max(fits, default=1)
-
-
 def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = False, num_sms: int = 132,
                  tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled kernel for one (config, epilogue, bias dtype, SM count), through :mod:`..cache`.
 
-    The executor takes ``(x, w, x_scale, w_scale, out, bias, residual, out_scale, workspace,
-    counters)`` data pointers (0 for unused), ``M, N', K`` and a ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi
+    The executor takes ``(x, w, x_scale, w_scale, out, bias, residual, out_scale)`` data pointers
+    (0 for unused), ``M, N', K`` and a ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi
     calling convention, the stream handle as an int); ``M`` is dynamic."""
     from cutlass.cute.runtime import make_fake_stream
 
@@ -793,7 +728,7 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
         cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
     )
     key = ("sm90.fp8_block_gemm", config, epilogue, bias_fp32, num_sms)
-    return compile_kernel(key, kernel, *([0] * 10), BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options,
+    return compile_kernel(key, kernel, *([0] * 8), BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options,
                           tvm_ffi=tvm_ffi)
 
 
@@ -806,16 +741,13 @@ def _num_sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, config: TileConfig | None,
           tvm_ffi: bool):
-    """(config, executor) of one launch shape (dispatch config unless ``config``), cached: the
-    per-call host path is a dict lookup."""
-    config = config or pick_config(m, n, k, epilogue, _num_sms(device))
-    k_tiles, rem = divmod(k // BLOCK, config.splits)
-    if rem:
-        raise ValueError(f"K/128 = {k // BLOCK} k-tiles do not divide into {config.splits} splits")
-    if config.overlap and k_tiles % config.unroll:
-        # groups of 4 if they divide each split's k-tiles, else no overlap
-        config = replace(config, unroll=4) if k_tiles % 4 == 0 else replace(config, overlap=False)
-    return config, compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
+    """The executor of one launch shape (dispatch config unless ``config``), cached: the per-call
+    host path is a dict lookup."""
+    config = config or pick_config(m, n, k, epilogue)
+    if config.overlap and (k // BLOCK) % config.unroll:
+        # groups of 4 if they divide the k-tiles, else no overlap
+        config = replace(config, unroll=4) if (k // BLOCK) % 4 == 0 else replace(config, overlap=False)
+    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
@@ -850,17 +782,10 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     x, w = x.contiguous(), w.contiguous()
     x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
-    config, fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    ws = counters = None
-    if config.splits > 1:
-        cm, cn = config.cluster_m, config.cluster_n
-        tiles = -(-m // (config.tile_m * cm)) * cm * -(-n // (config.tile_n * cn)) * cn
-        split_k.check_tiles(tiles)
-        ws = torch.empty(config.splits * tiles * config.tile_m * config.tile_n, dtype=torch.float32, device=x.device)
-        counters = split_k.counter_buffer(x.device)
+    fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), ptr(ws),
-       ptr(counters), m, n, k, launch_stream(x.device, tvm_ffi))
+    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, n, k,
+       launch_stream(x.device, tvm_ffi))
     return (out, out_scale) if requant else out
 
 
