@@ -10,10 +10,13 @@ in FP32). :func:`act_quant_reference` is that definition in PyTorch.
 The scales come out M-major, as the ``[M, K/128]`` view of a ``[K/128, roundup(M, 4)]`` buffer,
 which is the layout :mod:`quantkit.kernels.sm90.fp8_block_gemm` loads by TMA.
 
-Kernel: one CTA of 4 warps per row; each warp owns every 4th group, each lane 4 consecutive
-elements of it (8-byte loads, 4-byte FP8 stores); the group amax is a 5-step warp shuffle. With
-RMSNorm a first pass sums squares over the row (warp shuffle, then the 4 warps through shared
-memory) and the second pass re-reads the row (from L1/L2).
+Kernel: a warp quantizes one group at a time, each lane 4 consecutive elements of it (8-byte
+loads, 4-byte FP8 stores); the group amax is a 5-step warp shuffle. A CTA of 4 warps takes a
+``span`` of consecutive groups of one row, each warp every 4th: the whole row with RMSNorm (a first
+pass sums squares over the row: warp shuffle, then the 4 warps through shared memory; the second
+pass re-reads the row from L1/L2) or from ``SPLIT_ROWS`` rows up; 4 groups below that (grid
+``M x K/512``: at decode sizes every group's load is in flight at once, where a row's CTA would
+walk its groups one after another).
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ from quantkit.kernels.ops import kernel_op
 GROUP = 128
 FP8_MAX = 448.0
 _WARPS = 4
+# Up to this many rows a CTA takes 4 groups (one per warp), from here on a whole row: at M = 1-16
+# 1.6-1.8 µs instead of 4.6-7.3; at M = 8192, K = 16384 the row CTAs measured 153 µs, 4-group
+# CTAs 177 (H200, benchmarks/notes/fp8_block.md session 10).
+SPLIT_ROWS = 512
 
 
 def act_quant_reference(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -58,6 +65,7 @@ class ActQuantSm90:
         s_ptr: cutlass.Int64,  # fp32 [M, K/128], M-major with leading dim roundup(M, 4)
         m: cutlass.Int32,
         k: cutlass.Int32,
+        span: cutlass.Int32,  # groups per CTA: K/128 (whole rows; required with RMSNorm) or 4
         eps: cutlass.Float32,
         stream: cuda.CUstream,
     ):
@@ -68,12 +76,14 @@ class ActQuantSm90:
         mW = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, w_ptr, gmem, assumed_align=16), cute.make_layout((k,)))
         mQ = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, q_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
         mS = cute.make_tensor(cute.make_ptr(cutlass.Float32, s_ptr, gmem, assumed_align=16), cute.make_layout((m, k // GROUP), stride=(1, m4)))
-        self.kernel(mX, mW, mQ, mS, eps).launch(grid=(m, 1, 1), block=(32 * _WARPS, 1, 1), stream=stream)
+        grid = (m, (k // GROUP + span - 1) // span, 1)
+        self.kernel(mX, mW, mQ, mS, span, eps).launch(grid=grid, block=(32 * _WARPS, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, eps: cutlass.Float32):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, span: cutlass.Int32,
+               eps: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row, chunk, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
         k = mX.shape[1]
@@ -98,39 +108,45 @@ class ActQuantSm90:
             cute.arch.barrier()
             total = partial[0] + partial[1] + partial[2] + partial[3]
             inv_rms = cute.math.rsqrt(total / k.to(cutlass.Float32) + eps)
+        first = chunk * span
+        for g in cutlass.range(first + warp, cutlass.min(first + span, groups), _WARPS):
+            self._quant_group(xrow, qrow, wvec, mS, row, g, lane, inv_rms)
 
-        for g in cutlass.range(warp, groups, _WARPS):
-            v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
-            if cutlass.const_expr(self.rmsnorm):
-                w = wvec[(None, g * 32 + lane)].load().to(cutlass.Float32)
-                normed = (v * inv_rms).to(cutlass.BFloat16).to(cutlass.Float32)
-                v = (w * normed).to(cutlass.BFloat16).to(cutlass.Float32)
-            amax = cutlass.Float32(0.0)
-            for i in cutlass.range_constexpr(4):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
-            for b in cutlass.range_constexpr(5):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
-            scale = amax / FP8_MAX
-            if amax == 0.0:
-                scale = cutlass.Float32(1.0)
-            q = cute.make_rmem_tensor((4,), cutlass.Float32)
-            for i in cutlass.range_constexpr(4):
-                c = cute.arch.fmax(v[i] / scale, cutlass.Float32(-FP8_MAX))
-                q[i] = -cute.arch.fmax(-c, cutlass.Float32(-FP8_MAX))  # clamp to +-448
-            qrow[(None, g * 32 + lane)].store(q.load().to(cutlass.Float8E4M3FN))
-            if lane == 0:
-                mS[row, g] = scale
+    @cute.jit
+    def _quant_group(self, xrow, qrow, wvec, mS, row, g, lane, inv_rms):
+        """Group ``g`` of row ``row`` (lane: elements ``4 lane .. 4 lane + 3``): RMSNorm, amax, FP8 and scale."""
+        v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
+        if cutlass.const_expr(self.rmsnorm):
+            w = wvec[(None, g * 32 + lane)].load().to(cutlass.Float32)
+            normed = (v * inv_rms).to(cutlass.BFloat16).to(cutlass.Float32)
+            v = (w * normed).to(cutlass.BFloat16).to(cutlass.Float32)
+        amax = cutlass.Float32(0.0)
+        for i in cutlass.range_constexpr(4):
+            amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
+        for b in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << b))
+        scale = amax / FP8_MAX
+        if amax == 0.0:
+            scale = cutlass.Float32(1.0)
+        q = cute.make_rmem_tensor((4,), cutlass.Float32)
+        for i in cutlass.range_constexpr(4):
+            c = cute.arch.fmax(v[i] / scale, cutlass.Float32(-FP8_MAX))
+            q[i] = -cute.arch.fmax(-c, cutlass.Float32(-FP8_MAX))  # clamp to +-448
+        qrow[(None, g * 32 + lane)].store(q.load().to(cutlass.Float8E4M3FN))
+        if lane == 0:
+            mS[row, g] = scale
 
 
 def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled :class:`ActQuantSm90` (through :mod:`quantkit.kernels.cache`); the executor takes
-    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, ``eps`` and a ``cuda.CUstream`` (with
+    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, the groups per CTA (``K/128`` with
+    RMSNorm), ``eps`` and a ``cuda.CUstream`` (with
     ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, the stream handle as an int)."""
     from cutlass.cute.runtime import make_fake_stream
 
     from quantkit.kernels.cache import compile_kernel
 
-    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, GROUP, 1e-6,
+    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, GROUP, 1, 1e-6,
                           make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
@@ -157,7 +173,8 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
     w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
     tvm_ffi = use_tvm_ffi()
     fn = _executor(norm_weight is not None, tvm_ffi)
-    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, eps,
+    span = k // GROUP if w is not None or m > SPLIT_ROWS else _WARPS
+    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, span, eps,
        launch_stream(x.device, tvm_ffi))
     return q, scale
 
