@@ -90,12 +90,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tune", action="store_true", help="also time every candidate config")
     parser.add_argument("--models", nargs="*", default=list(SHAPES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     rows = []
     for model in args.models:
         for n, k in SHAPES[model]:
-            for m in TOKENS:
+            for m in args.tokens:
                 prob = Problem(m, n, k, gen)
                 rule = fgv.pick_gemv_config(m, n, k, Epilogue())
                 err = prob.check(None)
