@@ -144,6 +144,37 @@ def test_smoothing_pairs_found(arch):
     assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
 
 
+def test_awq_defaults_follow_the_activation_format():
+    ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
+    assert AWQ()._settings(ctx) == (20, 4096)  # float activations: the Gram form makes tokens free
+    assert AWQ(grid=5, max_tokens=64)._settings(ctx) == (5, 64)
+    ctx.fmt = get_format("nvfp4")
+    assert AWQ()._settings(ctx) == (10, 2048)  # quantized activations: a GEMM over the tokens per candidate
+
+
+def test_awq_gram_error_equals_the_token_error():
+    """With float activations AWQ scores a candidate through the Gram matrix ``xᵀx``; that equals
+    ``Σ ‖(x/s)·q(W·s)ᵀ − x Wᵀ‖²`` over the tokens (float64)."""
+    from quantkit.calibrate.algorithms.awq import _capture_inputs
+
+    awq = AWQ(grid=4)
+    ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
+    pairs = smoothing_pairs(ctx)
+    for pair, x in zip(pairs, _capture_inputs(ctx, pairs, 1 << 20)):
+        names = [n for n in pair.consumers if n in ctx.stats]
+        for s in awq._candidates(ctx, pair):
+            got = awq._output_error(ctx, pair, x.T @ x, s, None)
+            s_in = pair.to_input(s)
+            scaled = {n: pair.consumers[n].weight.detach().float() * s_in for n in names}
+            want = 0.0
+            for n, w in scaled.items():
+                amax = max(scaled[m].abs().amax() for m in awq._group_of(ctx, n, pair))
+                w_hat = ctx.fmt.quantize_weight(w, *ctx.fmt.weight.compute_scales(w, amax)).dequantize()
+                x64 = x.double()
+                want += ((x64 / s_in.double()) @ w_hat.double().T - x64 @ pair.consumers[n].weight.double().T).pow(2).sum().item()
+            assert got == pytest.approx(want, rel=1e-3)
+
+
 # ---------------------------------------------------------------- every algorithm beats RTN on outlier layers
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

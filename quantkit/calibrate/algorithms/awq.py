@@ -7,6 +7,10 @@ error ``Σ ‖x Wᵀ − q(x/s) · q(W·s)ᵀ‖²`` on a sample of calibration 
 data-parallel ranks), where ``q`` is the format's round-to-nearest quantization of weights and
 (if the format quantizes them) activations. The chosen ``s`` is folded into the producer, so the
 float model is unchanged.
+
+With float activations and no more input channels ``K`` than tokens ``T``, the error is
+``Σₙ dₙ G dₙᵀ`` over the rows ``dₙ`` of ``q(W·s) − W·s``, ``G = (xᵀx) / (s sᵀ)``: one
+``[N, K] × [K, K]`` product per candidate instead of the ``[T, K] × [K, N]`` GEMM.
 """
 from __future__ import annotations
 
@@ -38,18 +42,24 @@ def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: i
     return [torch.cat(c)[:max_tokens] for c in captured]
 
 
+# (grid points, max tokens) when not given: with quantized activations each candidate costs a GEMM
+# over the tokens, and 10 x 2048 cost 2.5x less than AutoAWQ's 20 x 4096 at +0.4 % perplexity
+# (Gemma-3-270M NVFP4 awq+mse 32.50 vs 32.37); with float activations the Gram form makes tokens
+# free, and 20 x 4096 gave 28.86 against 29.22 for 10 x 2048 (NVFP4 W4A16; docs/accuracy.md).
+DEFAULTS = {"quantized activations": (10, 2048), "float activations": (20, 4096)}
+
+
 class AWQ(Algorithm):
     """Grid search of ``α`` in ``[0, 1)`` (``grid`` points) per smoothing pair on at most
-    ``max_tokens`` calibration tokens, then fold the best scale. ``duo`` (default): AutoAWQ's
-    ``s = m^α / w^(1-α)`` (``w``: the consumers' mean relative ``|W|`` of the channel), which on
-    Gemma-3-270M NVFP4 gave perplexity 32.7 against 33.0 for ``m^α``. The defaults (10 points,
-    2048 tokens) cost 2.5× less than AutoAWQ's 20 points on 4096 tokens, at +0.4 % perplexity in
-    that measurement (awq+mse 32.50 vs 32.37, ``docs/accuracy.md``)."""
+    ``max_tokens`` calibration tokens (``None``: :data:`DEFAULTS` for the format), then fold the
+    best scale. ``duo`` (default): AutoAWQ's ``s = m^α / w^(1-α)`` (``w``: the consumers' mean
+    relative ``|W|`` of the channel), which on Gemma-3-270M NVFP4 gave perplexity 32.7 against 33.0
+    for ``m^α``."""
 
     name = "awq"
     stage = "transform"
 
-    def __init__(self, grid: int = 10, max_tokens: int = 2048, duo: bool = True):
+    def __init__(self, grid: int | None = None, max_tokens: int | None = None, duo: bool = True):
         self.grid, self.max_tokens, self.duo = grid, max_tokens, duo
 
     def _group_of(self, ctx: LayerContext, name: str, pair: SmoothingPair) -> list[str]:
@@ -57,23 +67,37 @@ class AWQ(Algorithm):
         return [n for n in group if n in pair.consumers]
 
     def _output_error(self, ctx: LayerContext, pair: SmoothingPair, x: torch.Tensor, s: torch.Tensor,
-                      reference: dict[str, torch.Tensor]) -> float:
+                      reference: dict[str, torch.Tensor] | None) -> float:
         """Σ over the quantized consumers of ``‖x Wᵀ − q(x/s)·q(W·s)ᵀ‖²`` (shared tensor scales
         within a fused group computed from the scaled weights; a static activation scale from the
-        calibration amax of ``x/s``: all tokens of all ranks, as the quantized layer will use)."""
+        calibration amax of ``x/s``: all tokens of all ranks, as the quantized layer will use).
+        ``x``: the FP32 ``[T, K]`` tokens with ``reference``, each quantized consumer's ``x Wᵀ``;
+        or (float activations only) their Gram matrix ``xᵀx`` ``[K, K]`` with ``reference=None``."""
         s_in = pair.to_input(s).to(x.device)
-        xs = x / s_in
         act = ctx.fmt.activation
-        if act is not None:
-            amax = (input_stats(pair, ctx).channel_amax.to(x.device) / s_in).max()
-            xs = act.qdq(xs, act.input_scale_from_amax(amax) if act.static else None)
-        scaled = {n: c.weight.detach().float() * s_in for n, c in pair.consumers.items() if n in reference}
+        if reference is None:
+            gram = x / torch.outer(s_in, s_in)  # (x/s)ᵀ(x/s)
+        else:
+            xs = x / s_in
+            if act is not None:
+                amax = (input_stats(pair, ctx).channel_amax.to(x.device) / s_in).max()
+                xs = act.qdq(xs, act.input_scale_from_amax(amax) if act.static else None)
+        scaled = {n: c.weight.detach().float() * s_in for n, c in pair.consumers.items() if n in ctx.stats}
         error = 0.0
         for name, w in scaled.items():
             amax = torch.stack([scaled[n].abs().amax() for n in self._group_of(ctx, name, pair)]).max()
             w_hat = ctx.fmt.quantize_weight(w, *ctx.fmt.weight.compute_scales(w, amax)).dequantize()
-            error += (xs @ w_hat.T - reference[name]).pow(2).sum().item()
+            if reference is None:
+                d = w_hat - w
+                error += ((d @ gram) * d).sum().item()
+            else:
+                error += (xs @ w_hat.T - reference[name]).pow(2).sum().item()
         return error
+
+    def _settings(self, ctx: LayerContext) -> tuple[int, int]:
+        """(grid points, max tokens) for the layer's format."""
+        grid, tokens = DEFAULTS["float activations" if ctx.fmt.activation is None else "quantized activations"]
+        return self.grid or grid, self.max_tokens or tokens
 
     def _candidates(self, ctx: LayerContext, pair: SmoothingPair) -> list[torch.Tensor]:
         """The scales tried: ``1``, then ``m^α`` (or ``m^α / w^(1-α)`` with ``duo``) for ``α`` on the
@@ -83,8 +107,9 @@ class AWQ(Algorithm):
             rel = torch.cat([c.weight.detach().float().abs() for c in pair.consumers.values()]).to(x_mean.device)
             w_mean = pair.to_producer((rel / rel.amax(1, keepdim=True).clamp(min=1e-12)).mean(0), "mean")
         candidates = [torch.ones_like(x_mean)]
-        for k in range(1, self.grid):
-            a = k / self.grid
+        grid = self._settings(ctx)[0]
+        for k in range(1, grid):
+            a = k / grid
             s = x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4) if self.duo else x_mean.pow(a)
             s = s.clamp(min=1e-4)
             candidates.append((s / (s.max() * s.min()).sqrt()).clamp(min=1e-4))
@@ -95,10 +120,13 @@ class AWQ(Algorithm):
         pairs = smoothing_pairs(ctx)
         if not pairs:
             return
-        inputs = _capture_inputs(ctx, pairs, self.max_tokens)
+        inputs = _capture_inputs(ctx, pairs, self._settings(ctx)[1])
         for pair, x in zip(pairs, inputs):
             x = x.to(pair.producer.weight.device)
-            reference = {n: x @ c.weight.detach().float().T for n, c in pair.consumers.items() if n in ctx.stats}
+            if ctx.fmt.activation is None and x.shape[1] <= x.shape[0]:  # the Gram matrix is the cheaper form
+                x, reference = x.T @ x, None
+            else:
+                reference = {n: x @ c.weight.detach().float().T for n, c in pair.consumers.items() if n in ctx.stats}
             candidates = self._candidates(ctx, pair)
             errors = torch.tensor([self._output_error(ctx, pair, x, s, reference) for s in candidates], dtype=torch.float64)
             best = candidates[int(all_reduce_(errors).argmin())]  # summed over data-parallel ranks
