@@ -157,12 +157,13 @@ def test_awq_gram_error_equals_the_token_error():
     ``Σ ‖(x/s)·q(W·s)ᵀ − x Wᵀ‖²`` over the tokens (float64)."""
     from quantkit.calibrate.algorithms.awq import _capture_inputs
 
-    awq = AWQ(grid=4)
+    awq = AWQ()
     ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
     pairs = smoothing_pairs(ctx)
     for pair, x in zip(pairs, _capture_inputs(ctx, pairs, 1 << 20)):
         names = [n for n in pair.consumers if n in ctx.stats]
-        for s in awq._candidates(ctx, pair):
+        x64 = x.double()
+        for s in awq._candidates(ctx, pair, 4):
             got = awq._output_error(ctx, pair, x.T @ x, s, None)
             s_in = pair.to_input(s)
             scaled = {n: pair.consumers[n].weight.detach().float() * s_in for n in names}
@@ -170,7 +171,6 @@ def test_awq_gram_error_equals_the_token_error():
             for n, w in scaled.items():
                 amax = max(scaled[m].abs().amax() for m in awq._group_of(ctx, n, pair))
                 w_hat = ctx.fmt.quantize_weight(w, *ctx.fmt.weight.compute_scales(w, amax)).dequantize()
-                x64 = x.double()
                 want += ((x64 / s_in.double()) @ w_hat.double().T - x64 @ pair.consumers[n].weight.double().T).pow(2).sum().item()
             assert got == pytest.approx(want, rel=1e-3)
 

@@ -99,15 +99,14 @@ class AWQ(Algorithm):
         grid, tokens = DEFAULTS["float activations" if ctx.fmt.activation is None else "quantized activations"]
         return self.grid or grid, self.max_tokens or tokens
 
-    def _candidates(self, ctx: LayerContext, pair: SmoothingPair) -> list[torch.Tensor]:
-        """The scales tried: ``1``, then ``m^α`` (or ``m^α / w^(1-α)`` with ``duo``) for ``α`` on the
-        grid, each normalised so that ``max(s)·min(s) = 1``."""
+    def _candidates(self, ctx: LayerContext, pair: SmoothingPair, grid: int) -> list[torch.Tensor]:
+        """The scales tried: ``1``, then ``m^α`` (or ``m^α / w^(1-α)`` with ``duo``) for ``α`` on a
+        ``grid``-point grid, each normalised so that ``max(s)·min(s) = 1``."""
         x_mean = pair.to_producer(input_stats(pair, ctx).channel_mean_abs, "mean").clamp(min=1e-4)
         if self.duo:  # mean over the consumers' rows of |W| relative to its row max
             rel = torch.cat([c.weight.detach().float().abs() for c in pair.consumers.values()]).to(x_mean.device)
             w_mean = pair.to_producer((rel / rel.amax(1, keepdim=True).clamp(min=1e-12)).mean(0), "mean")
         candidates = [torch.ones_like(x_mean)]
-        grid = self._settings(ctx)[0]
         for k in range(1, grid):
             a = k / grid
             s = x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4) if self.duo else x_mean.pow(a)
@@ -120,14 +119,15 @@ class AWQ(Algorithm):
         pairs = smoothing_pairs(ctx)
         if not pairs:
             return
-        inputs = _capture_inputs(ctx, pairs, self._settings(ctx)[1])
+        grid, max_tokens = self._settings(ctx)
+        inputs = _capture_inputs(ctx, pairs, max_tokens)
         for pair, x in zip(pairs, inputs):
             x = x.to(pair.producer.weight.device)
             if ctx.fmt.activation is None and x.shape[1] <= x.shape[0]:  # the Gram matrix is the cheaper form
                 x, reference = x.T @ x, None
             else:
                 reference = {n: x @ c.weight.detach().float().T for n, c in pair.consumers.items() if n in ctx.stats}
-            candidates = self._candidates(ctx, pair)
+            candidates = self._candidates(ctx, pair, grid)
             errors = torch.tensor([self._output_error(ctx, pair, x, s, reference) for s in candidates], dtype=torch.float64)
             best = candidates[int(all_reduce_(errors).argmin())]  # summed over data-parallel ranks
             if not torch.all(best == 1):
