@@ -145,11 +145,6 @@ def run_check(fh, gemv_only: bool = False) -> bool:
                    for m, s, t in ((4, 1, 4), (3, 3, 8), (1, 2, 1))]
     gemv_cases += [(m, 2048, 4096, Epilogue(activation="swiglu", bias=True, residual=True),
                     gv.GemvConfig(8, 2, 2, s, tokens=t, cluster=True)) for m, s, t in ((1, 2, 1), (3, 4, 4), (8, 3, 8))]
-    gemv_cases += [(m, 2048, 4096, Epilogue(activation="swiglu", bias=True, residual=True),
-                    gv.GemvConfig(w, 2, 2, tokens=t, pdl=True, stream_ctas=c))
-                   for m, w, t, c in ((1, 8, 1, 264), (3, 4, 4, 9), (8, 8, 8, 3))]
-    gemv_cases += [(m, n, k, Epilogue(), gv.GemvConfig(8, 1, 2, tokens=t, pdl=True, stream_ctas=264))
-                   for n, k in SHAPES["8b"] for m, t in ((1, 1), (5, 8))]
     ok = True
     for m, k in () if gemv_only else ((1, 4096), (37, 14336), (4096, 8192)):
         good = check_act_quant(m, k)
@@ -315,21 +310,12 @@ GEMV_CHECKED += [gv.GemvConfig(8, 1, st, sp, cluster=True, pdl=pdl) for st, sp, 
                                                                                          (2, 4, True))]
 
 
-def gemv_grid(m, n_pad, k, stream_only=False):
+def gemv_grid(m, n_pad, k):
     """Decode GEMV configs to time for ``m`` tokens: 4 or 8 warps, 2..4 stages (what fits), 1..4
     K-splits (>= 2 k-tiles per warp), and PDL on the unsplit 8-warp ones; 8-warp K-splits also as
-    clusters meeting in distributed shared memory, with PDL; stream-K over every resident CTA, with
-    PDL (only these with ``stream_only``)."""
+    clusters meeting in distributed shared memory, with PDL."""
     tokens = 1 << max(0, m - 1).bit_length()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    for warps in (4, 8):
-        for stages in (2, 3, 4):
-            cfg = gv.GemvConfig(warps, 1, stages, 1, tokens, pdl=True, stream_ctas=1)
-            if cfg.smem_bytes() <= 227 * 1024:
-                out.append(dataclasses.replace(cfg, stream_ctas=sms * cfg.ctas_per_sm()))
-    if stream_only:
-        return out
     for warps in (4, 8):
         for stages in (2, 3, 4):
             for splits in (1, 2, 3, 4):
@@ -345,8 +331,8 @@ def gemv_grid(m, n_pad, k, stream_only=False):
     return out
 
 
-def run_gemv_tune(shapes, fh, deadline, stream_only=False):
-    """Decode GEMV at M = 1 and 8: every config of :func:`gemv_grid` (and the rule's); rows with every time."""
+def run_gemv_tune(shapes, fh, deadline):
+    """Decode GEMV at M = 1 and 8: every config of :func:`gemv_grid`; rows with every time."""
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
@@ -360,7 +346,7 @@ def run_gemv_tune(shapes, fh, deadline, stream_only=False):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 base = gv.pick_gemv_config(m, n_pad, k, Epilogue())
                 times = {}
-                for cfg in gemv_grid(m, n_pad, k, stream_only) + ([base] if stream_only else []):
+                for cfg in gemv_grid(m, n_pad, k):
                     try:
                         times[str(cfg)] = graph_median_us([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c)
                                                            for p in preps], reps=9)
@@ -546,7 +532,6 @@ def main():
     ap.add_argument("--no-w4a8", action="store_true", help="time W4A16 only")
     ap.add_argument("--gemv-tune", action="store_true", help="also sweep decode GEMV configs")
     ap.add_argument("--gemv-tune-budget", type=float, default=60)
-    ap.add_argument("--gemv-tune-stream", action="store_true", help="the GEMV sweep: stream-K configs only (+ the rule)")
     ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
@@ -590,7 +575,7 @@ def main():
         rows = run_bench(args.shapes, ms, w4a8_ms, fh, deadline, args.quick, not args.no_quack)
         (out / "bench.json").write_text(json.dumps(rows, indent=1))
         if args.gemv_tune:
-            tuned = run_gemv_tune(args.shapes, fh, time.time() + args.gemv_tune_budget, args.gemv_tune_stream)
+            tuned = run_gemv_tune(args.shapes, fh, time.time() + args.gemv_tune_budget)
             (out / "gemv_tune.json").write_text(json.dumps(tuned, indent=1))
         if args.variants:
             variants = run_variants(args.shapes, fh, args.variant_ms)

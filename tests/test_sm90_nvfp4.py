@@ -9,7 +9,6 @@ fragment layout assigns to that thread and register; that must reproduce ``e2m1 
 """
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -331,41 +330,38 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
-GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, stream_ctas, epilogue)
-    (4, 1, 4, 1, 8, False, False, 0, Epilogue()),
-    (8, 1, 2, 3, 1, True, False, 0, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
-    (4, 2, 4, 2, 4, False, False, 0, Epilogue(bias=True, activation="swiglu", residual=True)),
-    (8, 1, 3, 2, 1, True, True, 0, Epilogue()),
-    (8, 2, 2, 4, 2, False, True, 0, Epilogue(bias=True, activation="swiglu", residual=True)),
-    (8, 1, 2, 1, 1, True, False, 264, Epilogue()),
-    (4, 2, 3, 1, 8, False, False, 264, Epilogue(bias=True, activation="swiglu", residual=True)),
+GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
+    (4, 1, 4, 1, 8, False, False, Epilogue()),
+    (8, 1, 2, 3, 1, True, False, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
+    (4, 2, 4, 2, 4, False, False, Epilogue(bias=True, activation="swiglu", residual=True)),
+    (8, 1, 3, 2, 1, True, True, Epilogue()),
+    (8, 2, 2, 4, 2, False, True, Epilogue(bias=True, activation="swiglu", residual=True)),
 ]
 
 
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
     """The decode GEMV: warp-level bf16 MMAs (no WGMMA), 16-byte cp.async copies, 16-byte
-    shared-memory fragment loads, nothing in local memory, one acq_rel atomic only where partial sums
-    meet in global memory (the split-K turnstile, stream-K), distributed-shared-memory loads and
-    cluster barriers only in clusters."""
+    shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split
+    across separate CTAs, distributed-shared-memory loads and cluster barriers only in clusters."""
     pytest.importorskip("cutlass")
     script = textwrap.dedent(f"""
         import json, os, sys
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
         from quantkit.kernels.sm90 import nvfp4_gemv as gv
-        for i, (w, t, st, sp, tok, pdl, cl, sk, bias, act, res) in enumerate(json.loads(sys.argv[1])):
+        for i, (w, t, st, sp, tok, pdl, cl, bias, act, res) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            gv.compile_gemv(gv.GemvConfig(w, t, st, sp, tok, pdl, cl, sk), Epilogue(bias=bias, activation=act, residual=res),
+            gv.compile_gemv(gv.GemvConfig(w, t, st, sp, tok, pdl, cl), Epilogue(bias=bias, activation=act, residual=res),
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
     """)
-    cases = [(w, t, st, sp, tok, pdl, cl, sk, e.bias, e.activation, e.residual)
-             for w, t, st, sp, tok, pdl, cl, sk, e in GEMV_COMPILE_CASES]
+    cases = [(w, t, st, sp, tok, pdl, cl, e.bias, e.activation, e.residual)
+             for w, t, st, sp, tok, pdl, cl, e in GEMV_COMPILE_CASES]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (warps, tiles, stages, splits, tokens, pdl, cluster, stream, _e) in enumerate(GEMV_COMPILE_CASES):
+    for i, (warps, tiles, stages, splits, tokens, pdl, cluster, _e) in enumerate(GEMV_COMPILE_CASES):
         d = tmp_path / str(i)
         text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
         assert ".target sm_90a" in text and "wgmma" not in text
@@ -375,7 +371,7 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         assert text.count("cp.async.cg.shared.global.L2::128B") == (9 + max(1, tokens // 2)) * stages
         assert text.count("ld.shared.v4.b32") == 12  # 2 code + 1 scale words per strip
         assert "ld.local" not in text and "st.local" not in text
-        assert text.count("atom.global.acq_rel.add") == (1 if (splits > 1 and not cluster) or stream else 0)
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)
         # a cluster's splits meet in distributed shared memory: per thread, one load per split and
         # value of the [64 * tiles, 8] tile it may own
         assert text.count("ld.shared::cluster.f32") == (splits * 64 * tiles * 8 // (32 * warps) if cluster else 0)
@@ -405,37 +401,6 @@ def test_gemv_config_rule():
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
     with pytest.raises(ValueError):
         gv.GemvConfig(8, 1, 5).check(Epilogue())  # 8 warps x 5 slots exceed shared memory
-
-
-def test_stream_k_segments_match_a_brute_force_partition():
-    """Stream-K bookkeeping: for random shapes and grids, the warps ``first_warp`` names for a row
-    block are exactly the warps whose runs touch it (so its counter reaches the expected count),
-    runs are never empty, and each warp's segment index stays inside its workspace rows."""
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
-
-    rng = random.Random(0)
-    for _ in range(500):
-        blocks, k_tiles = rng.randint(1, 200), rng.randint(1, 60)
-        total = blocks * k_tiles
-        warps = rng.randint(1, total)
-        per_warp = gv.segments_per_warp(total, warps, k_tiles)
-        touching = {}
-        for w in range(warps):
-            lo, hi = gv.run_start(w, total, warps), gv.run_start(w + 1, total, warps)
-            assert hi > lo
-            for rb in sorted({t // k_tiles for t in range(lo, hi)}):
-                assert 0 <= rb - lo // k_tiles < per_warp
-                touching.setdefault(rb, []).append(w)
-        for rb in range(blocks):
-            first, last = gv.first_warp(rb * k_tiles, total, warps), gv.first_warp((rb + 1) * k_tiles - 1, total, warps)
-            assert touching[rb] == list(range(first, last + 1))
-    cfg = gv.GemvConfig(8, 1, 2, stream_ctas=264)
-    assert gv.stream_warps(cfg, 4096, 4096) == 256 * 8  # 2048 k-tiles: one per warp, 256 CTAs
-    assert gv.stream_warps(cfg, 28672, 4096) == 264 * 8
-    with pytest.raises(ValueError, match="k-tiles"):
-        gv.stream_warps(cfg, 64, 512)  # 4 k-tiles for 8 warps
-    with pytest.raises(ValueError):
-        gv.GemvConfig(8, 1, 2, 2, stream_ctas=264).check(Epilogue())  # stream-K takes no K-split
 
 
 def test_w4a16_routes_decode_to_the_gemv():
@@ -558,24 +523,15 @@ def test_gpu_config_variants(mode, config):
                                         (None, Epilogue(activation="swiglu", bias=True, residual=True)),
                                         ("split3", Epilogue(activation="gelu_tanh")),
                                         ("cluster3", Epilogue(bias=True, residual=True)),
-                                        ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True)),
-                                        ("stream", Epilogue(bias=True, activation="silu", residual=True)),
-                                        ("stream5", Epilogue(activation="gelu_tanh")),
-                                        ("stream7", Epilogue(activation="swiglu", bias=True, residual=True))])
+                                        ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True))])
 def test_gpu_gemv_matches_float64_reference(m, config, epi):
     """The decode GEMV: through the default W4A16 route (M <= 8), an uneven 3-way K-split through
-    the global turnstile, K-splits meeting in a cluster's distributed shared memory, and stream-K
-    (one k-tile per warp: 32 segments per row block; 5 and 7 CTAs: runs of 12.8 and 18.3 k-tiles
-    that start and end inside row blocks, incl. SwiGLU groups whose gate and up rows are summed by
-    different warps)."""
+    the global turnstile, and K-splits meeting in a cluster's distributed shared memory."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
     cfg = {"split3": gv.GemvConfig(8, 1, 2, 3), "cluster3": gv.GemvConfig(8, 1, 3, 3, pdl=True, cluster=True),
-           "cluster4": gv.GemvConfig(8, 2, 2, 4, cluster=True),
-           "stream": gv.GemvConfig(8, 1, 2, tokens=gv.MAX_M, pdl=True, stream_ctas=264),
-           "stream5": gv.GemvConfig(8, 1, 3, tokens=gv.MAX_M, stream_ctas=5),
-           "stream7": gv.GemvConfig(4, 2, 3, tokens=gv.MAX_M, pdl=True, stream_ctas=7), None: None}[config]
+           "cluster4": gv.GemvConfig(8, 2, 2, 4, cluster=True), None: None}[config]  # None: the default route
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

@@ -269,11 +269,11 @@ def compile_gemv(config: Fp8GemvConfig, epilogue: Epilogue, *, bias_fp32: bool =
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
           config: Fp8GemvConfig | None, tvm_ffi: bool):
-    """(config, executor) of one launch shape, cached: the per-call host path is a dict lookup."""
+    """The executor of one launch shape, cached: the per-call host path is a dict lookup."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     config = config or pick_gemv_config(tokens, n, k, epilogue, num_sms)
     config.check(epilogue)
-    return config, compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
+    return compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 
 
 def use_gemv(m: int, n: int, k: int, epilogue: Epilogue, num_sms: int) -> bool:
@@ -320,9 +320,8 @@ def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epil
     x, w = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x.contiguous(), w.contiguous()))
     w_scale = w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
-    config, fn = _plan(1 << (m - 1).bit_length(), n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    ws, counters = gv.workspace(config, n, k, x.device)
+    fn = _plan(1 << (m - 1).bit_length(), n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    fn(ptr(x), ptr(w), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(ws), ptr(counters), m, n, n_out, k,
+    fn(ptr(x), ptr(w), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), 0, 0, m, n, n_out, k,
        launch_stream(x.device, tvm_ffi))
     return out

@@ -55,11 +55,7 @@ class GemvConfig:
     rows a ring slot holds (1, 2, 4 or 8: the most tokens it serves), ``pdl``: programmatic
     dependent launch (the weight copies of the first slots start before the previous grid ends),
     ``cluster``: the ``splits`` CTAs of a row block form one thread-block cluster and meet in
-    distributed shared memory instead of the global split-K turnstile (2..8 splits);
-    ``stream_ctas``: run persistent stream-K with at most this many CTAs (0: one CTA per row block):
-    every warp of the grid takes an equal contiguous run of the flattened (64-row block, k-tile)
-    space, so the grid fills the GPU whatever the shape, each ring fills once, and the partial sums
-    of a row block meet through the global workspace (:func:`stream_segments`)."""
+    distributed shared memory instead of the global split-K turnstile (2..8 splits)."""
 
     warps: int = 4
     tiles: int = 1
@@ -68,7 +64,6 @@ class GemvConfig:
     tokens: int = MAX_M
     pdl: bool = False
     cluster: bool = False
-    stream_ctas: int = 0
 
     TOKENS = (1, 2, 4, 8)  # ring-slot token counts
 
@@ -83,8 +78,7 @@ class GemvConfig:
         if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
                 or self.tokens not in self.TOKENS or (SWIGLU_GROUP * self.tile_tokens) % threads
                 or self.smem_bytes() > _SMEM
-                or (self.cluster and not 2 <= self.splits <= 8)
-                or (self.stream_ctas and (self.splits > 1 or self.cluster or self.stream_ctas < 0))):
+                or (self.cluster and not 2 <= self.splits <= 8)):
             raise ValueError(f"unsupported GEMV config {self}")
         if (epilogue.activation == "swiglu") != (self.tiles == 2):
             raise ValueError("swiglu needs tiles=2 (the gate and up halves of a 128-row group), and only swiglu")
@@ -97,39 +91,13 @@ class GemvConfig:
 
     def smem_bytes(self) -> int:
         """Shared memory per CTA: the warps' rings, the reduced tile (twice with ``cluster``: the
-        CTA's own partial, read by its peers, and the cluster sums it owns; none in stream-K), 1 KB
-        reserved by the system."""
-        tile = 0 if self.stream_ctas else ng.ROWS * self.tiles * self.tile_tokens * 4
+        CTA's own partial, read by its peers, and the cluster sums it owns), 1 KB reserved by the system."""
+        tile = ng.ROWS * self.tiles * self.tile_tokens * 4
         return self.warps * self.stages * self.slot_bytes() + tile * (2 if self.cluster else 1) + 1024 + 64
 
     def ctas_per_sm(self) -> int:
         """CTAs that fit one SM's shared memory."""
         return max(1, _SMEM // self.smem_bytes())
-
-
-def run_start(w, total, warps_total):
-    """Stream-K: the first flat k-tile of warp ``w``'s run (``total`` k-tiles over ``warps_total``
-    warps, runs differing by at most one; host ints or DSL integers)."""
-    return w * total // warps_total
-
-
-def first_warp(t, total, warps_total):
-    """Stream-K: the warp whose run holds flat k-tile ``t`` (the last ``w`` with ``run_start(w) <= t``)."""
-    return ((t + 1) * warps_total + total - 1) // total - 1
-
-
-def segments_per_warp(total, warps_total, k_tiles):
-    """Stream-K: the most row blocks one warp's run touches (its workspace segments)."""
-    return ((total + warps_total - 1) // warps_total + k_tiles - 2) // k_tiles + 1
-
-
-def stream_warps(config: GemvConfig, n_pad: int, k: int) -> int:
-    """Stream-K: warps in the grid for an ``[n_pad, k]`` weight (every warp gets >= 1 k-tile); raises
-    ValueError if the weight has fewer k-tiles than a CTA has warps."""
-    total = n_pad // ng.ROWS * (k // ng.BK)
-    if total < config.warps:
-        raise ValueError(f"stream-K needs >= {config.warps} k-tiles, the weight has {total}")
-    return min(config.stream_ctas, total // config.warps) * config.warps
 
 
 def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132) -> GemvConfig:
@@ -229,17 +197,14 @@ def _kernel_class():
             class SharedStorage:
                 ring: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Uint8, self.cfg.warps * self.cfg.stages * self.slot], 128]
-                fin: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.cfg.stream_ctas else self.rows * self.mt], 16]
+                fin: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * self.mt], 16]
                 fsum: cute.struct.Align[cute.struct.MemRange[Float32, self.rows * self.mt if self.cfg.cluster else 4], 16]
                 flag: cute.struct.MemRange[Int32, 4]
 
             self.shared_storage = SharedStorage
             cluster = {"cluster": (1, self.cfg.splits, 1)} if self.cfg.cluster else {}
-            grid = (n_pad // self.rows, self.cfg.splits, 1)
-            if cutlass.const_expr(self.cfg.stream_ctas):  # as stream_warps (the host checks >= 1 CTA)
-                grid = (cutlass.min((n_pad // ng.ROWS) * (k // ng.BK) // self.cfg.warps, self.cfg.stream_ctas), 1, 1)
-            self.kernel(x_ptr, w_ptr, aux_ptr, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, n_pad, k).launch(
-                grid=grid, block=[self.threads, 1, 1], stream=stream,
+            self.kernel(x_ptr, w_ptr, aux_ptr, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows, k).launch(
+                grid=(n_pad // self.rows, self.cfg.splits, 1), block=[self.threads, 1, 1], stream=stream,
                 use_pdl=self.cfg.pdl, **cluster,
                 # registers for as many CTAs as the shared memory holds; all of it as shared memory
                 min_blocks_per_mp=self.cfg.ctas_per_sm(), preferred_smem_carveout=100)
@@ -247,7 +212,7 @@ def _kernel_class():
         @cute.kernel
         def kernel(self, x_ptr: Int64, w_ptr: Int64, aux_ptr: Int64, mOut: cute.Tensor,
                    mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
-                   m: Int32, n_out: Int32, n_rows: Int32, n_pad: Int32, k: Int32):
+                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32):
             cfg = self.cfg
             tidx, _, _ = cute.arch.thread_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -257,66 +222,31 @@ def _kernel_class():
                 cute.arch.griddepcontrol_launch_dependents()
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
+
+            k_tiles = k // ng.BK
+            lo = bz * k_tiles // cfg.splits
+            span = (bz + 1) * k_tiles // cfg.splits - lo
+            grp = warp // cfg.tiles
+            my_lo = lo + grp * span // self.groups
+            count = lo + (grp + 1) * span // self.groups - my_lo
+            rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
             ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
+
             acc = cute.make_rmem_tensor((4, 4, self.mt // MAX_M), Float32)  # (C register, strip, 8-token fragment)
             acc.fill(0.0)
-            k_tiles = k // ng.BK
-
-            if cutlass.const_expr(cfg.stream_ctas):
-                # stream-K: this warp's run [lo, hi) of the flattened (64-row block, k-tile) space
-                total = Int64(n_pad // ng.ROWS) * k_tiles
-                warps_total = Int64(cute.arch.grid_dim()[0] * cfg.warps)
-                me = bx * cfg.warps + warp
-                lo = Int32(run_start(Int64(me), total, warps_total))
-                count = Int32(run_start(Int64(me + 1), total, warps_total)) - lo
-                seg = (ws_ptr, cnt_ptr, lo, me, total, warps_total, aux_ptr, mOut, mBias, mRes, m, n_out, n_rows)
-                self.ring_loop(storage, ring_addr, x_ptr, w_ptr, aux_ptr, acc, lo, count, k_tiles, Int32(0), seg,
-                               warp, lane, m, k)
-            else:
-                lo = bz * k_tiles // cfg.splits
-                span = (bz + 1) * k_tiles // cfg.splits - lo
-                grp = warp // cfg.tiles
-                my_lo = lo + grp * span // self.groups
-                count = lo + (grp + 1) * span // self.groups - my_lo
-                rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
-                self.ring_loop(storage, ring_addr, x_ptr, w_ptr, aux_ptr, acc, my_lo, count, k_tiles, rb, None,
-                               warp, lane, m, k)
-                # this warp's partial [64 rows, mt tokens] into its own ring slot 0 (FP32)
-                ring_words = cfg.stages * self.slot // 4
-                g, c = lane // 4, lane % 4
-                part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
-                                        cute.make_layout((ng.ROWS, self.mt, cfg.warps), stride=(self.mt, 1, ring_words)))
-                for f in cutlass.range_constexpr(self.mt // MAX_M):
-                    for s in cutlass.range_constexpr(4):
-                        for j in cutlass.range_constexpr(4):
-                            part[16 * s + g + 8 * (j // 2), MAX_M * f + 2 * c + j % 2, warp] = acc[j, s, f]
-                cute.arch.sync_threads()
-                if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
-                    self.store(storage, tidx, bx, bz, self.alpha(aux_ptr), mOut, mBias, mRes, m, n_out, n_rows)
-                if cutlass.const_expr(cfg.cluster):
-                    cute.arch.cluster_wait()  # the peers have read this CTA's partial: its shared memory may go
-
-        @cute.jit
-        def ring_loop(self, storage, ring_addr, x_ptr, w_ptr, aux_ptr, acc, lo, count, k_tiles, rb, seg, warp, lane,
-                      m, k):
-            """Stream ``count`` k-tiles through the warp's ring into ``acc``: item ``i`` is k-tile
-            ``lo + i`` of row block ``rb``, or with stream-K (``seg``) flat k-tile ``lo + i``, whose
-            row block's partial is published (:meth:`publish`) after its last k-tile in this run."""
-            cfg = self.cfg
             frag = self.make_fragments()
-            stream = seg is not None
 
             # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
             if cutlass.const_expr(cfg.pdl):
                 for i in cutlass.range_constexpr(cfg.stages - 1):
                     if i < count:
-                        self.issue_weights(ring_addr, w_ptr, aux_ptr, *self.ring_tile(i, lo, k_tiles, rb, stream), i, lane, k)
+                        self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
                 cute.arch.griddepcontrol_wait()
             for i in cutlass.range_constexpr(cfg.stages - 1):
                 if i < count:
                     if cutlass.const_expr(not cfg.pdl):
-                        self.issue_weights(ring_addr, w_ptr, aux_ptr, *self.ring_tile(i, lo, k_tiles, rb, stream), i, lane, k)
-                    self.issue_x(ring_addr, x_ptr, self.ring_tile(i, lo, k_tiles, rb, stream)[1], i, lane, m, k)
+                        self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
+                    self.issue_x(ring_addr, x_ptr, my_lo + i, i, lane, m, k)
                 cute.arch.cp_async_commit_group()
             for i in cutlass.range(count, unroll=1):
                 cute.arch.cp_async_wait_group(cfg.stages - 2)
@@ -325,91 +255,26 @@ def _kernel_class():
                 # refill the slot read in the previous iteration (its registers are consumed)
                 nxt = i + cfg.stages - 1
                 if nxt < count:
-                    self.issue_weights(ring_addr, w_ptr, aux_ptr, *self.ring_tile(nxt, lo, k_tiles, rb, stream), nxt % cfg.stages, lane, k)
-                    self.issue_x(ring_addr, x_ptr, self.ring_tile(nxt, lo, k_tiles, rb, stream)[1], nxt % cfg.stages, lane, m, k)
+                    self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
+                    self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
                 cute.arch.cp_async_commit_group()
                 self.accumulate(frag, acc, storage, i % cfg.stages, warp, lane)
-                if cutlass.const_expr(stream):
-                    if (lo + i + 1) % k_tiles == 0 or i == count - 1:
-                        self.publish(acc, (lo + i) // k_tiles, k_tiles, lane, *seg)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
-
-        @staticmethod
-        def ring_tile(i, lo, k_tiles, rb, stream: bool):
-            """(row block, k-tile) of ring item ``i`` (see :meth:`ring_loop`)."""
-            if stream:
-                return (lo + i) // k_tiles, (lo + i) % k_tiles
-            return rb, lo + i
-
-        @cute.jit
-        def publish(self, acc, rb, k_tiles, lane, ws_ptr, cnt_ptr, lo, me, total, warps_total, aux_ptr, mOut, mBias,
-                    mRes, m, n_out, n_rows):
-            """Stream-K: write this warp's partial of row block ``rb`` (``acc``, then zeroed) to its
-            workspace segment and count it on the row block's group (``tiles`` row blocks); the last
-            segment to arrive sums every segment of the group in warp order (deterministic) and runs
-            the epilogue."""
-            cfg = self.cfg
-            tt = cfg.tokens
-            seg_floats = ng.ROWS * tt
-            per_warp = segments_per_warp(total, warps_total, k_tiles)
-            ws = cute.make_ptr(Float32, ws_ptr, cute.AddressSpace.gmem, assumed_align=4)
-            mine = cute.make_tensor(ws + (Int64(me) * per_warp + rb - lo // k_tiles) * seg_floats,
-                                    cute.make_layout((ng.ROWS, tt), stride=(tt, 1)))
+            # this warp's partial [64 rows, mt tokens] into its own ring slot 0 (FP32)
+            ring_words = cfg.stages * self.slot // 4
             g, c = lane // 4, lane % 4
+            part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
+                                    cute.make_layout((ng.ROWS, self.mt, cfg.warps), stride=(self.mt, 1, ring_words)))
             for f in cutlass.range_constexpr(self.mt // MAX_M):
                 for s in cutlass.range_constexpr(4):
                     for j in cutlass.range_constexpr(4):
-                        col = MAX_M * f + 2 * c + j % 2
-                        if cutlass.const_expr(MAX_M * f < tt):
-                            if col < tt:
-                                mine[16 * s + g + 8 * (j // 2), col] = acc[j, s, f]
-                        acc[j, s, f] = 0.0
-            group = rb // cfg.tiles
-            counter = cute.make_ptr(Int32, cnt_ptr, cute.AddressSpace.gmem, assumed_align=4) + group
-            expected = Int32(0)
-            for t in cutlass.range_constexpr(cfg.tiles):
-                r = group * cfg.tiles + t
-                expected += Int32(first_warp(Int64(r + 1) * k_tiles - 1, total, warps_total)
-                                  - first_warp(Int64(r) * k_tiles, total, warps_total)) + 1
-            cute.arch.sync_warp()  # release: the warp's stores precede the one acq_rel atomic (cumulative)
-            old = Int32(0)
-            if lane == 0:
-                old = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-            old = cute.arch.shuffle_sync(old, 0)
-            if old == expected - 1:
-                cute.arch.fence_acq_rel_gpu()
-                self.stream_store(ws, group, k_tiles, lane, total, warps_total, per_warp, self.alpha(aux_ptr), mOut,
-                                  mBias, mRes, m, n_out, n_rows)
-                if lane == 0:
-                    cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)  # ready for the next launch
-
-        @cute.jit
-        def stream_store(self, ws, group, k_tiles, lane, total, warps_total, per_warp, alpha, mOut, mBias, mRes, m,
-                         n_out, n_rows):
-            """Stream-K epilogue of one group by one warp: each sum over the row block's segments (in
-            warp order) from the workspace, then :meth:`finish` (consecutive lanes: consecutive columns)."""
-            cfg = self.cfg
-            tt = cfg.tokens
-            cols = SWIGLU_GROUP if self.swiglu else ng.ROWS
-            for e in cutlass.range_constexpr(cols * tt // 32):
-                idx = lane + 32 * e
-                tok = idx // cols
-                r = idx % cols
-                col = group * cols + r
-                if tok < m and col < n_out:
-                    sums = []
-                    for t in cutlass.range_constexpr(cfg.tiles):
-                        blk = group * cfg.tiles + t
-                        lo_w = Int32(first_warp(Int64(blk) * k_tiles, total, warps_total))
-                        hi_w = Int32(first_warp(Int64(blk + 1) * k_tiles - 1, total, warps_total))
-                        v = Float32(0.0)
-                        for w in cutlass.range(lo_w, hi_w + 1, unroll=1):
-                            j = blk - run_start(Int64(w), total, warps_total) // k_tiles
-                            part = ws + ((Int64(w) * per_warp + j) * ng.ROWS + r) * tt + tok
-                            v = v + cute.make_tensor(part, cute.make_layout(1))[0]
-                        sums.append(v)
-                    self.finish(sums[0], sums[-1], group * cfg.tiles * ng.ROWS, r, tok, col, alpha, mOut, mBias, mRes)
+                        part[16 * s + g + 8 * (j // 2), MAX_M * f + 2 * c + j % 2, warp] = acc[j, s, f]
+            cute.arch.sync_threads()
+            if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
+                self.store(storage, tidx, bx, bz, self.alpha(aux_ptr), mOut, mBias, mRes, m, n_out, n_rows)
+            if cutlass.const_expr(cfg.cluster):
+                cute.arch.cluster_wait()  # the peers have read this CTA's partial: its shared memory may go
 
         # ---- the weight format: NVFP4 tiles of nvfp4_gemm.prepare (the fp8-block GEMV overrides these)
         def make_fragments(self):
@@ -564,27 +429,19 @@ def _kernel_class():
                 if cutlass.const_expr(self.cfg.cluster):
                     mine = self.owner(r) == bz
                 if tok < m and col < n_out and mine:
-                    u = fin[SWIGLU_GROUP + r, tok] if self.swiglu else fin[r, tok]
-                    self.finish(fin[r, tok], u, row0, r, tok, col, alpha, mOut, mBias, mRes)
-
-        @cute.jit
-        def finish(self, v, u, row0, r, tok, col, alpha, mOut, mBias, mRes):
-            """The epilogue of one output: ``alpha`` times the sum ``v`` of weight row ``row0 + r``
-            (SwiGLU: gate ``v``, up ``u`` of row ``row0 + SWIGLU_GROUP + r``), bias, activation,
-            residual; bf16 store at ``[tok, col]``."""
-            v = v * alpha
-            if cutlass.const_expr(self.epi.bias):
-                v = v + mBias[row0 + r].to(Float32)
-            if cutlass.const_expr(self.swiglu):
-                u = u * alpha
-                if cutlass.const_expr(self.epi.bias):
-                    u = u + mBias[row0 + SWIGLU_GROUP + r].to(Float32)
-                v = v / (1.0 + cute.math.exp(-v)) * u
-            else:
-                v = ops.activate(v, self.epi.activation)
-            if cutlass.const_expr(self.epi.residual):
-                v = v + mRes[tok, col].to(Float32)
-            mOut[tok, col] = v.to(cutlass.BFloat16)
+                    v = fin[r, tok] * alpha
+                    if cutlass.const_expr(self.epi.bias):
+                        v = v + mBias[row0 + r].to(Float32)
+                    if cutlass.const_expr(self.swiglu):
+                        u = fin[SWIGLU_GROUP + r, tok] * alpha
+                        if cutlass.const_expr(self.epi.bias):
+                            u = u + mBias[row0 + SWIGLU_GROUP + r].to(Float32)
+                        v = v / (1.0 + cute.math.exp(-v)) * u
+                    else:
+                        v = ops.activate(v, self.epi.activation)
+                    if cutlass.const_expr(self.epi.residual):
+                        v = v + mRes[tok, col].to(Float32)
+                    mOut[tok, col] = v.to(cutlass.BFloat16)
 
     return Nvfp4GemvSm90
 
@@ -619,21 +476,6 @@ def _plan(tokens: int, n_pad: int, k: int, epilogue: Epilogue, bias_fp32: bool, 
     return config, compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 
 
-def workspace(config: GemvConfig, n_pad: int, k: int, device: torch.device):
-    """FP32 partial sums and int32 counters for the K-splits that meet in global memory (the
-    turnstile, stream-K); ``(None, None)`` for the others."""
-    groups = n_pad // (ng.ROWS * config.tiles)
-    if config.stream_ctas:
-        warps_total, k_tiles = stream_warps(config, n_pad, k), k // ng.BK
-        floats = warps_total * segments_per_warp(n_pad // ng.ROWS * k_tiles, warps_total, k_tiles) * ng.ROWS * config.tokens
-    elif config.splits > 1 and not config.cluster:
-        floats = config.splits * groups * ng.ROWS * config.tiles * config.tile_tokens
-    else:
-        return None, None
-    split_k.check_tiles(groups)
-    return torch.empty(floats, dtype=torch.float32, device=device), split_k.counter_buffer(device)
-
-
 def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias, residual, config: GemvConfig | None,
                 out: torch.Tensor) -> torch.Tensor:
     """Run the GEMV on bf16 ``x [M <= 8, K]`` (contiguous, 16-byte aligned) into ``out``; the
@@ -647,7 +489,12 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     tvm_ffi = use_tvm_ffi()
     bias_fp32 = bias is not None and bias.dtype == torch.float32
     config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    ws, counters = workspace(config, n_pad, k, x.device)
+    ws = counters = None
+    if config.splits > 1 and not config.cluster:
+        ctas = n_pad // (ng.ROWS * config.tiles)
+        split_k.check_tiles(ctas)
+        ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
+        counters = split_k.counter_buffer(x.device)
     stream = launch_stream(x.device, tvm_ffi)
     fn(x.data_ptr(), w.tiles.data_ptr(), w.tensor_scale.data_ptr(), out.data_ptr(),
        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
