@@ -137,13 +137,14 @@ def main() -> None:
     parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
                         help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
                              "(also for the epilogue rows), and stop after those rows")
+    parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
     args = parser.parse_args()
     if args.ab and args.tune_rows is None:
         parser.error("--ab needs --tune-rows M (the rows it compares)")
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 
-    rows = SQUARE + DSV3 + LLAMA + UNFUSED
+    rows = [] if args.act_quant else SQUARE + DSV3 + LLAMA + UNFUSED
     if args.shapes:
         keep = {tuple(int(v) for v in s.split(",")) for s in args.shapes}
         rows = [(n, k, m) for n, k, m in rows if (n, k) in keep]
@@ -217,7 +218,8 @@ def main() -> None:
                       flush=True)
         del prob
 
-    for m, k in [] if args.ab else [(1, 4096), (16, 7168), (4096, 4096), (4096, 7168), (8192, 16384)]:
+    for m, k in [] if args.ab else [(1, 4096), (16, 7168), (512, 4096), (2048, 4096), (4096, 4096), (4096, 7168),
+                                    (8192, 16384)]:
         x = [torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(max(1, min(16, (2 * L2_BYTES) // (3 * m * k))))]
         w = torch.rand(k, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
         for rms in (False, True):

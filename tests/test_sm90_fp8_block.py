@@ -471,6 +471,35 @@ def test_gpu_act_quant_matches_reference(m, rms):
 
 
 @pytest.mark.gpu
+def test_gpu_act_quant_exact_on_extreme_groups():
+    """The kernel's branch-free division (one reciprocal per group, two FMAs per element) against
+    the reference's IEEE division: all-zero groups, zeros among values, bf16 subnormals, and groups
+    spanning 60 octaves (quotients far below E4M3's smallest subnormal), bit for bit; and the fp8
+    GEMV, which quantizes with the same division, on such tokens against float64."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    m, k = 64, 1024
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    octaves = torch.randint(-30, 30, (m, k), generator=gen, device="cuda").float()
+    x = x * torch.exp2(octaves)
+    x[0] = 0
+    x[1, :128] = 0
+    x[2, ::3] = 0
+    x[3] = torch.randn(k, generator=gen, device="cuda") * 2.0 ** -130  # bf16 subnormals
+    x[4, 5] = 3.0e38
+    x = x.to(torch.bfloat16)
+    q, s = aq.act_quant(x)
+    rq, rs = aq.act_quant_reference(x.cpu())
+    assert torch.equal(s.cpu(), rs)
+    bad = (q.cpu().view(torch.uint8) != rq.view(torch.uint8)).nonzero().tolist()
+    assert not bad, [(r, c, x[r, c].item(), s[r, c // 128].item(), q[r, c].item(), rq[r, c].item()) for r, c in bad[:8]]
+    tokens = x[[0, 1, 2, 3, 5, 6, 7, 8]]  # row 4's 3e38 would overflow the bf16 output
+    wq, ws = fp8.quantize(torch.randn(256, k, generator=gen, device="cuda") * 0.05, (128, 128))
+    ref = gemm_f64(*(t.cuda() for t in fp8_block_quant_f64(tokens.cpu())), wq, ws, Epilogue())
+    out = fgv.fp8_block_gemv(tokens, wq, ws)
+    assert torch.isfinite(out).all() and _rel(out, ref.to(torch.bfloat16)) < 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_and_cuda_graph_no_recompile():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # counters outlive reset(): other tests' graphs must not count

@@ -11,7 +11,8 @@ The scales come out M-major, as the ``[M, K/128]`` view of a ``[K/128, roundup(M
 which is the layout :mod:`quantkit.kernels.sm90.fp8_block_gemm` loads by TMA.
 
 Kernel: a warp quantizes one group at a time, each lane 4 consecutive elements of it (8-byte
-loads, 4-byte FP8 stores); the group amax is a 5-step warp shuffle. A CTA of 4 warps takes a
+loads, 4-byte FP8 stores), with the loads of its next 4 groups issued together; the group amax is
+a 5-step warp shuffle, and the divisions by the scale are :func:`div_rn` (one reciprocal per group, :func:`lifted_divisor`). A CTA of 4 warps takes a
 ``span`` of consecutive groups of one row, each warp every 4th: the whole row with RMSNorm (a first
 pass sums squares over the row: warp shuffle, then the 4 warps through shared memory; the second
 pass re-reads the row from L1/L2) or from ``SPLIT_ROWS`` rows up; 4 groups below that (grid
@@ -26,6 +27,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from quantkit.formats import fp8
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
@@ -33,11 +36,44 @@ from quantkit.kernels.ops import kernel_op
 
 GROUP = 128
 FP8_MAX = 448.0
+_FLT_MIN = 2.0**-126  # the smallest normal FP32
 _WARPS = 4
+_UNROLL = 4  # groups a warp loads at once
 # Up to this many rows a CTA takes 4 groups (one per warp), from here on a whole row: at M = 1-16
 # 1.6-1.8 µs instead of 4.6-7.3; at M = 8192, K = 16384 the row CTAs measured 153 µs, 4-group
 # CTAs 177 (H200, benchmarks/notes/fp8_block.md session 10).
 SPLIT_ROWS = 512
+
+
+@dsl_user_op
+def rcp_rn(b, *, loc=None, ip=None):
+    """``1/b`` correctly rounded (``rcp.rn.f32``)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(b).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;",
+                                           "=f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def div_rn(a, b, y, *, loc=None, ip=None):
+    """``a / b`` correctly rounded for ``b > 0``, given ``y = rcp_rn(b)``: Markstein's correction
+    ``q = a·y``, ``q + (a − b·q)·y`` (two FMAs; exact for normal quotients, and a subnormal one is
+    far below E4M3's smallest value), with the sign of ``a`` (the sum would turn ``-0`` into ``+0``).
+    Branch-free, unlike ``div.rn.f32``, whose slow path every zero dividend takes."""
+    return cutlass.Float32(llvm.inline_asm(
+        T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, y)],
+        "{ .reg .f32 q, r, nb, d; mul.rn.f32 q, $1, $3; neg.f32 nb, $2; fma.rn.f32 r, nb, q, $1; "
+        "fma.rn.f32 d, r, $3, q; copysign.f32 $0, $1, d; }", "=f,f,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+@cute.jit
+def lifted_divisor(scale):
+    """``(f, b, y)`` with ``x / scale == div_rn(x * f, b, y)`` for every FP32 ``x``: ``b = scale * f``,
+    ``y = rcp_rn(b)``, and ``f = 2^64`` where ``scale`` is subnormal (its reciprocal would overflow),
+    else 1; both products are exact, so the quotient is unchanged."""
+    f = cutlass.Float32(1.0)
+    if scale < _FLT_MIN:
+        f = cutlass.Float32(2.0**64)
+    b = scale * f
+    return f, b, rcp_rn(b)
 
 
 def act_quant_reference(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -98,7 +134,7 @@ class ActQuantSm90:
             smem = cutlass.memory.SmemAllocator()
             partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_WARPS,)), byte_alignment=16)
             ss = cutlass.Float32(0.0)
-            for g in cutlass.range(warp, groups, _WARPS):
+            for g in cutlass.range(warp, groups, _WARPS, unroll=_UNROLL):
                 v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
                 for i in cutlass.range_constexpr(4):
                     ss = ss + v[i] * v[i]
@@ -109,13 +145,24 @@ class ActQuantSm90:
             total = partial[0] + partial[1] + partial[2] + partial[3]
             inv_rms = cute.math.rsqrt(total / k.to(cutlass.Float32) + eps)
         first = chunk * span
-        for g in cutlass.range(first + warp, cutlass.min(first + span, groups), _WARPS):
-            self._quant_group(xrow, qrow, wvec, mS, row, g, lane, inv_rms)
+        end = cutlass.min(first + span, groups)
+        # _UNROLL groups per warp and step, all loaded before any is stored (the stores may alias
+        # the loads for all the compiler knows): _UNROLL x 256 bytes in flight per warp
+        for g0 in cutlass.range(first + warp, end, _WARPS * _UNROLL):
+            vals = [cute.make_rmem_tensor(xrow[(None, 0)].shape, cutlass.Float32) for _ in range(_UNROLL)]
+            for u in cutlass.range_constexpr(_UNROLL):
+                g = g0 + u * _WARPS
+                if g < end:
+                    vals[u].store(xrow[(None, g * 32 + lane)].load().to(cutlass.Float32))
+            for u in cutlass.range_constexpr(_UNROLL):
+                g = g0 + u * _WARPS
+                if g < end:
+                    self._quant_group(vals[u].load(), qrow, wvec, mS, row, g, lane, inv_rms)
 
     @cute.jit
-    def _quant_group(self, xrow, qrow, wvec, mS, row, g, lane, inv_rms):
-        """Group ``g`` of row ``row`` (lane: elements ``4 lane .. 4 lane + 3``): RMSNorm, amax, FP8 and scale."""
-        v = xrow[(None, g * 32 + lane)].load().to(cutlass.Float32)
+    def _quant_group(self, v, qrow, wvec, mS, row, g, lane, inv_rms):
+        """Group ``g`` of row ``row`` from its FP32 values ``v`` (lane: elements ``4 lane .. 4 lane + 3``):
+        RMSNorm, amax, FP8 and scale."""
         if cutlass.const_expr(self.rmsnorm):
             w = wvec[(None, g * 32 + lane)].load().to(cutlass.Float32)
             normed = (v * inv_rms).to(cutlass.BFloat16).to(cutlass.Float32)
@@ -129,8 +176,9 @@ class ActQuantSm90:
         if amax == 0.0:
             scale = cutlass.Float32(1.0)
         q = cute.make_rmem_tensor((4,), cutlass.Float32)
+        f, b, inv = lifted_divisor(scale)
         for i in cutlass.range_constexpr(4):
-            c = cute.arch.fmax(v[i] / scale, cutlass.Float32(-FP8_MAX))
+            c = cute.arch.fmax(div_rn(v[i] * f, b, inv), cutlass.Float32(-FP8_MAX))
             q[i] = -cute.arch.fmax(-c, cutlass.Float32(-FP8_MAX))  # clamp to +-448
         qrow[(None, g * 32 + lane)].store(q.load().to(cutlass.Float8E4M3FN))
         if lane == 0:

@@ -3,7 +3,7 @@
 Computes what :mod:`.act_quant` followed by :mod:`.fp8_block_gemm` computes, in one kernel that
 reads bf16 activations: per 1x128 group the activations are quantized in registers exactly as the
 activation-quantization kernel does (``s = amax/448``, ``q = e4m3(x / s)``, RNE, saturating; the
-division is a branch-free correctly rounded sequence, ``div_rn`` below), and
+division is a branch-free correctly rounded sequence, :func:`.act_quant.div_rn`), and
 
     acc[m, n] = sum_kb (sum_{k in kb} q[m, k] * w[n, k]) * s[m, kb] * w_scale[n // 128, kb]
 
@@ -104,6 +104,7 @@ def _kernel_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
+    from quantkit.kernels.sm90.act_quant import div_rn, lifted_divisor
     from quantkit.kernels.sm90.fp8_block_gemm import FP8_MAX, _clamp_fp8
 
     @dsl_user_op
@@ -117,22 +118,6 @@ def _kernel_class():
         """The FP32 whose bit pattern is ``bits`` (a bf16 in the high half, zeros below)."""
         return Float32(llvm.inline_asm(T.f32(), [Uint32(bits).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
                                        has_side_effects=False, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def rcp_rn(b, *, loc=None, ip=None):
-        """``1/b`` correctly rounded (``rcp.rn.f32``)."""
-        return Float32(llvm.inline_asm(T.f32(), [Float32(b).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
-                                       has_side_effects=False, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def div_rn(a, b, y, *, loc=None, ip=None):
-        """``a / b`` correctly rounded, given ``y = rcp_rn(b)``: Markstein's correction
-        ``q = a·y``, ``q + (a − b·q)·y`` (two FMAs; exact for normal quotients). Branch-free, unlike
-        ``div.rn.f32``, whose slow path every zero dividend takes."""
-        return Float32(llvm.inline_asm(
-            T.f32(), [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, y)],
-            "{ .reg .f32 q, r, nb; mul.rn.f32 q, $1, $3; neg.f32 nb, $2; fma.rn.f32 r, nb, q, $1; "
-            "fma.rn.f32 $0, r, $3, q; }", "=f,f,f,f", has_side_effects=False, loc=loc, ip=ip))
 
     @dsl_user_op
     def pack_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None):
@@ -210,9 +195,9 @@ def _kernel_class():
                 if amax == 0.0:
                     num = Float32(FP8_MAX)
                 scale = num / FP8_MAX
-                inv = rcp_rn(scale)
+                lift, b, inv = lifted_divisor(scale)
                 for w in cutlass.range_constexpr(8):
-                    rq[w, f] = pack_e4m3x4(*[_clamp_fp8(div_rn(xv[4 * w + i], scale, inv)) for i in range(4)])
+                    rq[w, f] = pack_e4m3x4(*[_clamp_fp8(div_rn(xv[4 * w + i] * lift, b, inv)) for i in range(4)])
                 fac[0, f] = cute.arch.shuffle_sync(scale, 8 * c) * ws  # token 8f + 2c's scale (lane 4 * 2c)
                 fac[1, f] = cute.arch.shuffle_sync(scale, 8 * c + 4) * ws
 
