@@ -48,9 +48,6 @@ AB_VARIANTS = {
     "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
-    # 256-column two-wave tiles, multicast on the larger operand (B) unless the config shares A
-    "waves": lambda cfg: fbg.TileConfig(128, 256, 1 if cfg.cluster_n > 1 else 2, cfg.cluster_n, overlap=False,
-                                        raster=max(cfg.raster, 4), defer_epilogue=False),
 }
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without

@@ -32,11 +32,7 @@ EXTRA_CONFIGS = [
     fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
     fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False),
     fbg.TileConfig(128, 192, overlap=False, defer_epilogue=False),
-    fbg.TileConfig(128, 256, overlap=False, defer_epilogue=False),
-    fbg.TileConfig(128, 256, 2, 1, overlap=False, defer_epilogue=False, raster=4),
-    fbg.TileConfig(64, 256, 1, 2, overlap=False, defer_epilogue=False, raster=2),
 ]
-WAVES = fbg.TileConfig(128, 256, 2, 1, overlap=False, defer_epilogue=False, raster=4)  # two 128-column waves
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -167,9 +163,6 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192).check(Epilogue())
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
-    with pytest.raises(ValueError):
-        fbg.TileConfig(128, 256, overlap=False).check(Epilogue())  # waves: no deferred epilogue
-    fbg.TileConfig(128, 256, overlap=False, defer_epilogue=False).check(Epilogue(requant="fp8-block"))
 
 
 def test_pick_config_gives_requant_a_128_column_tile():
@@ -212,10 +205,8 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False),
-                    WAVES])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False)])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
-    jobs += [(WAVES, epi) for epi in EPILOGUES[1:3]]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
     for i, (cfg, epi) in enumerate(jobs):
@@ -409,14 +400,6 @@ def test_gpu_gemm_matches_float64(m, n, k):
 @pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
 def test_gpu_epilogues_match_float64(m, epi):
     _check_epilogue(m, epi)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("epi", EPILOGUES, ids=str)
-@pytest.mark.parametrize("m", [7, 1000])
-def test_gpu_wave_tile_epilogues_match_float64(m, epi):
-    """Every epilogue on 256-column tiles, each run wave by wave (128 output columns, or 64 with SwiGLU)."""
-    _check_epilogue(m, epi, WAVES)
 
 
 @pytest.mark.gpu

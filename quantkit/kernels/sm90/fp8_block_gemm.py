@@ -17,9 +17,7 @@ Structure (one CTA per SM, persistent over output tiles, visited in raster group
 * warpgroups 1.. — consumers, each owning a ``64 x tile_n`` sub-tile: per 128-K block,
   WGMMA into a temporary FP32 accumulator, then *promotion* ``acc += tmp * x_scale[row] *
   w_scale`` outside the tensor core (with two temporaries, one block's promotion overlaps the
-  next block's WGMMAs). A 256-column tile runs as two 128-column *waves* through one temporary
-  (WGMMA wave 0, promote it while the other warpgroup's WGMMAs run, then wave 1): 128 + 64
-  registers, and a third fewer operand bytes per FLOP than 128x128 tiles. A tile's epilogue runs in registers once the next tile's first K blocks
+  next block's WGMMAs). A tile's epilogue runs in registers once the next tile's first K blocks
   are issued, and the tile leaves through shared memory in one TMA store group. SiLU and
   GELU-tanh cost one ``tanh.approx`` per element (``TileConfig.act_tanh``; within the 1e-3
   float64 gate of the GPU tests).
@@ -59,9 +57,8 @@ _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C *
 @dataclass(frozen=True)
 class TileConfig:
     """CTA tile and cluster shape: ``tile_m`` in {64, 128} (one consumer warpgroup per 64 rows),
-    ``tile_n`` in {64, 128, 192, 256} (192: a tile spans two weight-scale blocks, and three 96-column
-    accumulators would not fit in registers, so no overlap; 256: two 128-column waves through one
-    temporary, no overlap, the epilogue after the mainloop); clusters of at most 2 CTAs multicast
+    ``tile_n`` in {64, 128, 192} (192: a tile spans two weight-scale blocks, and three 96-column
+    accumulators would not fit in registers, so no overlap); clusters of at most 2 CTAs multicast
     the shared operand."""
 
     tile_m: int = 128
@@ -79,31 +76,23 @@ class TileConfig:
         """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile."""
         return self.tile_m // 64
 
-    @property
-    def waves(self) -> int:
-        """128-column WGMMA waves per tile (2 for ``tile_n = 256``, else 1)."""
-        return 2 if self.tile_n == 256 else 1
-
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this tile cannot run ``epilogue``."""
-        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192, 256):
+        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128, 192):
             raise ValueError(f"unsupported tile {self.tile_m}x{self.tile_n}")
         if self.tile_n == 192 and self.overlap:
             raise ValueError("tile_n = 192 needs overlap=False (two 96-column temporaries exceed the register budget)")
-        if self.tile_n == 256 and (self.overlap or self.defer_epilogue):
-            raise ValueError("tile_n = 256 needs overlap=False and defer_epilogue=False (two waves share one temporary)")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
         if self.unroll not in (4, 8):
             raise ValueError(f"unroll must be 4 or 8 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
-        wave_n = self.tile_n // self.waves
-        if epilogue.activation == "swiglu" and wave_n != 2 * SWIGLU_GROUP:
-            raise ValueError("swiglu needs waves holding a full gate/up group pair (tile_n = 128 or 256)")
-        out_cols = wave_n // (2 if epilogue.activation == "swiglu" else 1)
+        if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
+            raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
+        out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
         if epilogue.requant is not None and (epilogue.requant != "fp8-block" or out_cols != BLOCK):
-            raise ValueError("requant supports fp8-block with 128 output columns per wave (tile_n = 128 or 256, no swiglu)")
+            raise ValueError("requant supports fp8-block with 128 output columns per tile (tile_n = 128, no swiglu)")
 
 
 def scales_for_tma(x_scale):
@@ -132,9 +121,7 @@ class Fp8BlockGemmSm90:
         self.acc_dtype = cutlass.Float32
         self.out_dtype = cutlass.Float8E4M3FN if self.requant else cutlass.BFloat16
         self.tile_mnk = (config.tile_m, config.tile_n, BLOCK)
-        self.waves = config.waves
-        self.wave_n = config.tile_n // self.waves  # the WGMMA's N; the epilogue works wave by wave
-        self.out_tile_n = self.wave_n // 2 if self.swiglu else self.wave_n  # output columns per wave
+        self.out_tile_n = config.tile_n // 2 if self.swiglu else config.tile_n
         self.cluster_mn = (config.cluster_m, config.cluster_n)
         self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
         self.num_consumers = config.consumer_warpgroups
@@ -193,7 +180,7 @@ class Fp8BlockGemmSm90:
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype,
             cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.wave_n),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.cfg.tile_n),
         )
         # The epilogue's register layout: the same warpgroup arrangement over the output tile.
         self.tiled_mma_out = sm90_utils.make_trivial_tiled_mma(
@@ -204,6 +191,7 @@ class Fp8BlockGemmSm90:
         self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
+        out_tile = (self.cfg.tile_m, self.out_tile_n)
         # The whole output tile in smem: bf16 as (tile_m x 32)-column sub-tiles, FP8 (requant) as one
         # (tile_m x 128-byte) tile; each sub-tile spans every consumer warpgroup's rows.
         self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)
@@ -220,24 +208,24 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
             cute.slice_(self.epi_smem_staged, (None, None, 0)), self.epi_tile,
         )
-        num_tiles = cute.zipped_divide(mD, tiler=(self.cfg.tile_m, self.out_tile_n * self.waves))[(0, (None, None))].shape
+        num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
         # raster > 1 rounds the N-cluster count up to a multiple of it: the kernel skips those clusters.
         sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
 
         @cute.struct
-        class SharedStorage:  # the barriers last: no padding ahead of the 1024-byte aligned operands
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
-            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
 
         self.shared_storage = SharedStorage
         self.kernel(
             tma_a, tA, tma_b, tB, tma_sa, tSA, tma_d, tD, mSB, mD, mBias, mRes, mDS, sched,
             self.tiled_mma, self.tiled_mma_out, self.cta_layout_mnk,
-            self.a_smem_staged, self.b_smem_staged, self.b_smem_waves, self.sa_smem_staged, self.epi_smem_staged,
+            self.a_smem_staged, self.b_smem_staged, self.sa_smem_staged, self.epi_smem_staged,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream,
@@ -246,7 +234,7 @@ class Fp8BlockGemmSm90:
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
         bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
-        self.ab_stage = min(8, (self.smem_capacity - 1024 - bytes_epi) // bytes_ab)
+        self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -256,10 +244,6 @@ class Fp8BlockGemmSm90:
 
         self.a_smem_staged = staged(self.cfg.tile_m, self.ab_dtype, BLOCK, (self.cfg.tile_m, BLOCK, self.ab_stage), (0, 1, 2))
         self.b_smem_staged = staged(self.cfg.tile_n, self.ab_dtype, BLOCK, (self.cfg.tile_n, BLOCK, self.ab_stage), (0, 1, 2))
-        # The same bytes as (wave_n, 128) tiles, wave w of stage s at index waves * s + w: the rows of a
-        # stage follow each other in 1024-byte swizzle atoms, so the views agree byte for byte.
-        self.b_smem_waves = staged(
-            self.wave_n, self.ab_dtype, BLOCK, (self.wave_n, BLOCK, self.ab_stage * self.waves), (0, 1, 2))
         self.sa_smem_staged = cute.make_layout((self.cfg.tile_m, 1, self.ab_stage), stride=(1, 0, self.cfg.tile_m))
         self.epi_smem_staged = staged(
             self.epi_tile[0], self.out_dtype, self.epi_tile[1], (*self.epi_tile, self.epi_stage), (0, 1, 2)
@@ -284,7 +268,7 @@ class Fp8BlockGemmSm90:
         mBias: cute.Tensor | None, mRes: cute.Tensor | None, mDS: cute.Tensor | None,
         sched_params: utils.PersistentTileSchedulerParams,
         tiled_mma: cute.TiledMma, tiled_mma_out: cute.TiledMma, cta_layout_mnk: cute.Layout,
-        a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout, b_smem_waves: cute.ComposedLayout,
+        a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
         sa_smem_staged: cute.Layout, epi_smem_staged: cute.ComposedLayout | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -321,7 +305,6 @@ class Fp8BlockGemmSm90:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sB_waves = storage.sB.get_tensor(b_smem_waves.outer, swizzle=b_smem_waves.inner)
         sSA = storage.sSA.get_tensor(sa_smem_staged)
         sD = storage.sD.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
         gD = cute.local_tile(mD_tma, (self.cfg.tile_m, self.out_tile_n), (None, None))
@@ -358,8 +341,8 @@ class Fp8BlockGemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consumer(
-                tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, tidx - 128, warp_idx, sA, sB_waves, sSA, sD,
-                gD, tma_d, mSB, mD, mBias, mRes, mDS,
+                tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
+                tma_d, mSB, mD, mBias, mRes, mDS,
             )
 
     @cute.jit
@@ -398,11 +381,8 @@ class Fp8BlockGemmSm90:
 
         # Per-thread accumulators and the coordinates (within the tile) of each of their elements.
         thr_mma = tiled_mma.get_slice(ctid)
-        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.wave_n)))
-        # one accumulator per wave: acc[..., w] (a view per wave below)
-        acc_waves = cute.make_rmem_tensor((*tCcAcc.shape, self.waves), self.acc_dtype)
-        waves = [acc_waves[(None, None, None, w)] for w in range(self.waves)]
-        acc = waves[0]
+        tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        acc = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
         tmp = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
         tmp2 = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype) if self.cfg.overlap else tmp
         # Element ((c, h, j), 0, 0) of a 64-row WGMMA accumulator lies in row group h (rows r, r + 8).
@@ -412,7 +392,9 @@ class Fp8BlockGemmSm90:
 
         thr_mma_out = tiled_mma_out.get_slice(ctid)
         tCcOut = thr_mma_out.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.out_tile_n)))
-        swiglu_out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype) if self.swiglu else None
+        out = acc
+        if cutlass.const_expr(self.swiglu):
+            out = cute.make_rmem_tensor(tCcOut.shape, self.acc_dtype)
 
         # Output: registers -> smem -> gmem by TMA, the whole tile per store group (bf16 through stmatrix
         # in 32-column sub-tiles, FP8 by column pairs at their coordinates). A tile's epilogue runs once
@@ -425,8 +407,8 @@ class Fp8BlockGemmSm90:
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
-            r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), cute.shape(thr_r2s.partition_S(sD))[:3])
-        epi = (swiglu_out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
+            r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -438,14 +420,7 @@ class Fp8BlockGemmSm90:
         unroll = self.cfg.unroll if self.cfg.overlap else 1
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
-            if cutlass.const_expr(self.waves > 1):
-                if self._real_tile(tn, n_tiles):
-                    tiled_mma = self._waves_mainloop(
-                        tiled_mma, waves, tmp, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, state, tn, sSA, mSB, row_lo, row_hi,
-                        n_frag)
-                    for w in cutlass.range_constexpr(self.waves):
-                        self._finish_tile(waves[w], tm, tn * self.waves + w, *epi)
-            elif self._real_tile(tn, n_tiles):
+            if self._real_tile(tn, n_tiles):
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
                 s_lo = [None] * unroll
@@ -499,29 +474,6 @@ class Fp8BlockGemmSm90:
         store_pipe.producer_tail()
 
     @cute.jit
-    def _waves_mainloop(self, tiled_mma, waves, tmp, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, state, tn, sSA, mSB, row_lo,
-                        row_hi, n_frag):
-        """The mainloop of a multi-wave tile: per k-tile and wave, WGMMA into ``tmp``, wait, promote
-        into the wave's accumulator (the other warpgroup's WGMMAs keep the tensor cores busy
-        meanwhile); the stage is released after the last wave. Returns ``tiled_mma``."""
-        for w in cutlass.range_constexpr(self.waves):
-            waves[w].fill(0.0)
-        blocks = [cutlass.min(tn * self.waves + w, mSB.shape[0] - 1) for w in range(self.waves)]
-        for kt in range(k_tiles):
-            w_scales = [mSB[b, kt] for b in blocks]
-            ab_pipe.consumer_wait(state)
-            sa_lo = sSA[(row_lo, 0, state.index)]
-            sa_hi = sSA[(row_hi, 0, state.index)]
-            for w in cutlass.range_constexpr(self.waves):
-                tiled_mma = self._issue(tiled_mma, tmp, tCrA, tCrB, state.index, k_blocks, self.waves * state.index + w)
-                cute.nvgpu.warpgroup.wait_group(0)
-                if cutlass.const_expr(w == self.waves - 1):
-                    ab_pipe.consumer_release(state)
-                self._promote(waves[w], tmp, [sa_lo * w_scales[w]], [sa_hi * w_scales[w]], n_frag)
-            state.advance()
-        return tiled_mma
-
-    @cute.jit
     def _issue_k_tile(self, tiled_mma, tmp, tCrA, tCrB, k_blocks, ab_pipe, read, kt, sSA, mSB, seg_blocks, row_lo, row_hi):
         """Wait for k-tile ``kt`` in stage ``read``, WGMMA it into ``tmp``; returns ``tiled_mma`` and
         the promotion scales (x scale of rows r / r + 8 times each segment's weight scale)."""
@@ -533,11 +485,9 @@ class Fp8BlockGemmSm90:
         return tiled_mma, s_lo, s_hi
 
     @cute.jit
-    def _finish_tile(self, acc, tm, tn, swiglu_out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
+    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
                      store_pipe, r2s, warp_idx):
-        """Epilogue of output tile (tm, tn) (a wave of the mainloop's tile) from its accumulator ``acc``:
-        math in registers, the tile into sD, one TMA store group."""
-        out = swiglu_out if self.swiglu else acc
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
         m0 = tm * self.cfg.tile_m
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
@@ -551,8 +501,7 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.requant):
             self._store_fp8_smem(out, tCcOut, sD)
         else:
-            tiled_copy_r2s, tRS_sD, rD_shape = r2s
-            tRS_rOut = tiled_copy_r2s.retile(out)
+            tiled_copy_r2s, tRS_sD, tRS_rOut, rD_shape = r2s
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
             size_rD = cute.size(tRS_rD)
@@ -587,15 +536,13 @@ class Fp8BlockGemmSm90:
                 pairs[(None, (coord[0], coord[1] // 2))].store(pair.load().to(cutlass.Float8E4M3FN))
 
     @cute.jit
-    def _issue(self, tiled_mma, tmp, tCrA, tCrB, stage, k_blocks, b_stage=None):
-        """WGMMA one 128-K block from smem ``stage`` (B from ``b_stage`` of the wave views when given)
-        into the (zeroed) temporary ``tmp``; commits. Returns ``tiled_mma``, whose ACCUMULATE field
-        it changed."""
-        b_stage = stage if b_stage is None else b_stage
+    def _issue(self, tiled_mma, tmp, tCrA, tCrB, stage, k_blocks):
+        """WGMMA one 128-K block from smem ``stage`` into the (zeroed) temporary ``tmp``; commits.
+        Returns ``tiled_mma``, whose ACCUMULATE field it changed."""
         cute.nvgpu.warpgroup.fence()
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, b_stage)], tmp)
+            cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], tmp)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cute.nvgpu.warpgroup.commit_group()
         return tiled_mma  # rebound by the caller so loops carry it
@@ -627,7 +574,7 @@ class Fp8BlockGemmSm90:
     @cute.jit
     def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
         """In registers: bias, activation (SwiGLU writes ``out``), residual, requant (FP32 in/out)."""
-        n0 = tn * self.wave_n
+        n0 = tn * self.cfg.tile_n
         if cutlass.const_expr(self.epi.bias):
             bias_pairs = cute.zipped_divide(mBias, (2,))  # columns (2p, 2p + 1) of a thread are adjacent
             for j in cutlass.range_constexpr(n_frag):
@@ -656,7 +603,7 @@ class Fp8BlockGemmSm90:
                 for h in cutlass.range_constexpr(2):
                     coord = tCcOut[((0, h, j), 0, 0)]
                     m = m0 + coord[0]
-                    if m < m_total and out_n0 + coord[1] < mRes.shape[1]:  # tiles may reach past N
+                    if m < m_total and out_n0 + coord[1] < mRes.shape[1]:  # a tile may reach past N
                         r = res_pairs[(None, (m, (out_n0 + coord[1]) // 2))].load().to(cutlass.Float32)
                         for c in cutlass.range_constexpr(2):
                             out[((c, h, j), 0, 0)] = out[((c, h, j), 0, 0)] + r[c]
