@@ -12,7 +12,8 @@ which is the layout :mod:`quantkit.kernels.sm90.fp8_block_gemm` loads by TMA.
 
 Kernel: a warp quantizes one group at a time, each lane 4 consecutive elements of it (8-byte
 loads, 4-byte FP8 stores), with the loads of its next 4 groups issued together; the group amax is
-a 5-step warp shuffle, and the divisions by the scale are :func:`div_rn` (one reciprocal per group, :func:`lifted_divisor`). A CTA of 4 warps takes a
+a 5-step warp shuffle, and the divisions by the scale are :func:`div_rn` (one reciprocal per
+group, :func:`lifted_divisor`). A CTA of 4 warps takes a
 ``span`` of consecutive groups of one row, each warp every 4th: the whole row with RMSNorm (a first
 pass sums squares over the row: warp shuffle, then the 4 warps through shared memory; the second
 pass re-reads the row from L1/L2) or from ``SPLIT_ROWS`` rows up; 4 groups below that (grid
@@ -66,9 +67,11 @@ def div_rn(a, b, y, *, loc=None, ip=None):
 
 @cute.jit
 def lifted_divisor(scale):
-    """``(f, b, y)`` with ``x / scale == div_rn(x * f, b, y)`` for every FP32 ``x``: ``b = scale * f``,
-    ``y = rcp_rn(b)``, and ``f = 2^64`` where ``scale`` is subnormal (its reciprocal would overflow),
-    else 1; both products are exact, so the quotient is unchanged."""
+    """``(f, b, y)`` such that ``div_rn(x * f, b, y)`` is the correctly rounded ``x / scale`` for a
+    group's values (``|x| <= 448 * scale``; quotients below the normal range aside, which E4M3
+    rounds to 0 either way): ``b = scale * f``, ``y = rcp_rn(b)``, and ``f = 2^64`` where ``scale``
+    is subnormal (its reciprocal would overflow), else 1. Both products are exact, so the quotient
+    is unchanged."""
     f = cutlass.Float32(1.0)
     if scale < _FLT_MIN:
         f = cutlass.Float32(2.0**64)
