@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--options", default="{}", help='JSON per-algorithm options, e.g. {"mse": {"weighted": true}}')
+    p.add_argument("--propagate", default="quantized", choices=["quantized", "float"],
+                   help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--out", type=Path, default=Path("accuracy_gemma.json"))
@@ -124,7 +126,7 @@ def main() -> None:
     calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     setup = {"windows": args.windows, "seq_len": args.seq_len, "docs": args.docs, "calib": args.calib or "embedded corpus",
-             "calib_tokens": calib.numel(), "threads": torch.get_num_threads()}
+             "calib_tokens": calib.numel(), "threads": torch.get_num_threads(), "propagate": args.propagate}
 
     def record(key: str, model, calib_s: float | None, recipe: str) -> None:
         t = time.time()
@@ -143,7 +145,8 @@ def main() -> None:
             key = f"{fmt}|{algo}{args.tag}"
             if key in results:
                 continue
-            recipe = Recipe(fmt, options=options) if algo == "default" else Recipe.parse(fmt, algo, options=options)
+            recipe = (Recipe(fmt, options=options, propagate=args.propagate) if algo == "default"
+                      else Recipe.parse(fmt, algo, options=options, propagate=args.propagate))
             model = copy.deepcopy(base)
             t = time.time()
             with torch.no_grad():

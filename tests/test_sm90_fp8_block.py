@@ -226,6 +226,9 @@ def test_act_quant_compiles_for_sm90a(tmp_path):
         ptx = _ptx(tmp_path, f"aq{rms}", lambda opts: aq.compile_act_quant(rms, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ("rsqrt" in ptx) == rms
+        # quotients by the group scale: one reciprocal per group, two FMAs and a copysign each; IEEE
+        # divisions only for the 4 unrolled groups' scales (and the mean of squares)
+        assert "rcp.rn.f32" in ptx and "copysign.f32" in ptx and ptx.count("div.rn.f32") == 4 + rms
 
 
 # ----------------------------------------------------------------------------- CPU: decode GEMV

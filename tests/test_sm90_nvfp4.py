@@ -327,7 +327,9 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory
         assert "cvt.rn.bf16x2.f32" in text and "st.global.v4.b32" in text and "ld.local" not in text
     quant = ptx("act_quant")
-    assert "div.rn.f32" in quant and "cvt.rn.satfinite.e4m3x2.f32" in quant
+    # one IEEE division (the scale), then per element a correctly rounded reciprocal-and-FMA quotient
+    assert quant.count("div.rn.f32") == 1 and "rcp.rn.f32" in quant and "copysign.f32" in quant
+    assert "cvt.rn.satfinite.e4m3x2.f32" in quant
 
 
 GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
@@ -461,6 +463,11 @@ def test_gpu_act_quant_is_bit_exact():
     torch.manual_seed(8)
     x = (torch.randn(33, 14336, device="cuda") * torch.logspace(-3, 3, 14336, device="cuda")).to(torch.bfloat16)
     x[0] = 0
+    # the kernel's branch-free division: bf16 subnormals (a subnormal scale; signed zeros), zeros
+    # among values, 60 octaves in one row
+    x[1] = (torch.randn(14336, device="cuda") * 2.0**-130).to(torch.bfloat16)
+    x[2, ::3] = 0
+    x[3] = (torch.randn(14336, device="cuda") * torch.exp2(torch.randint(-30, 30, (14336,), device="cuda").float()))
     xq, s = nw8.quantize_activation(x)
     # reference on the CPU (CUDA torch divides by a Python scalar as a multiply by its reciprocal)
     rq, rs = w4a8.quantize_activation(x.cpu()[:, ng.w4a8_k_permutation(14336)])

@@ -7,8 +7,9 @@ format's op (:func:`nvfp4_w4a8_format_op`) picks W4A8 or W4A16 per call by
 The quantization kernel reads each row of ``x`` twice (amax, then the values, the second time
 from L2), and writes ``xq`` with K permuted within every 16 columns (:func:`.nvfp4_gemm.
 w4a8_k_permutation`) so the GEMM's FP8 fragment slots see the columns its weight bytes hold:
-``s[m] = amax/448`` (1 for an all-zero row), ``xq = e4m3(x / s)`` with an IEEE FP32 division and
-a saturating round-to-nearest-even, as :func:`quantkit.formats.w4a8.quantize_activation`.
+``s[m] = amax/448`` (1 for an all-zero row), ``xq = e4m3(x / s)`` with a correctly rounded FP32
+division (one reciprocal per row and two FMAs per element, :func:`.act_quant.div_rn`) and a
+saturating round-to-nearest-even, as :func:`quantkit.formats.w4a8.quantize_activation`.
 """
 import functools
 import threading
@@ -36,6 +37,8 @@ def _build_act_quant():
     from cutlass import Float32, Int32, Int64, Uint32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
+
+    from quantkit.kernels.sm90.act_quant import div_rn, lifted_divisor
 
     @dsl_user_op
     def e4m3x2(lo, hi, *, loc=None, ip=None):
@@ -82,12 +85,14 @@ def _build_act_quant():
                 scale = Float32(1.0)
             if tidx == 0:
                 mS[row] = scale
+            lift, div, inv = lifted_divisor(scale)
             words = cute.make_rmem_tensor(4, Uint32)
             for g in cutlass.range(tidx, groups, THREADS, unroll=1):
                 self.load(x_ptr, row, k, g, vals)
                 for c in cutlass.range_constexpr(4):  # byte 4c + j <- column (2c, 2c+1, 2c+8, 2c+9)[j]
-                    lo = e4m3x2(vals[2 * c].to(Float32) / scale, vals[2 * c + 1].to(Float32) / scale)
-                    hi = e4m3x2(vals[2 * c + 8].to(Float32) / scale, vals[2 * c + 9].to(Float32) / scale)
+                    q = [div_rn(vals[i].to(Float32) * lift, div, inv) for i in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
+                    lo = e4m3x2(q[0], q[1])
+                    hi = e4m3x2(q[2], q[3])
                     words[c] = lo | (hi << 16)
                 dst = q_ptr + Int64(row) * k + g * GROUP
                 cute.autovec_copy(words, cute.make_tensor(cute.make_ptr(Uint32, dst, gmem, assumed_align=16),
