@@ -13,7 +13,8 @@ Metrics, computed here directly (no lm-eval):
 
 Each quantized row calibrates a fresh float32 copy with ``quantkit.calibrate.quantize`` on
 ``--calib-samples × --calib-len`` tokens of ``--calib`` (default: the embedded corpus, what
-``quantkit quantize`` uses) and times it. Results go to ``--out`` (JSON, one entry per row,
+``quantkit quantize`` uses; each layer fed the quantized model's activations, or with
+``--propagate float`` the float model's) and times it. Results go to ``--out`` (JSON, one entry per row,
 rows already there are skipped: the run can be resumed) and the Markdown table to stdout.
 
     python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default

@@ -8,7 +8,8 @@ with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``-
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
 ``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant;
-``--shapes N,K ...`` keeps only those weight shapes.
+``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
+quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm).
 """
 from __future__ import annotations
 
