@@ -7,7 +7,8 @@ copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and 
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
-``--tune-rows M --ab defer|unroll|tanh`` times only those rows, each dispatch config against one variant;
+``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, stagger, unroll16, stagger16) times only those rows, each
+dispatch config against those variants;
 ``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
 quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm).
 """
@@ -49,7 +50,18 @@ AB_VARIANTS = {
     "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
+    "stagger": lambda cfg: _staggered(cfg, cfg.unroll),
+    "unroll16": lambda cfg: replace(cfg, unroll=16 if cfg.unroll != 16 else 8),
+    "stagger16": lambda cfg: _staggered(cfg, 16),
 }
+
+
+def _staggered(cfg: fbg.TileConfig, unroll: int) -> fbg.TileConfig:
+    """``cfg`` with staggered overlap groups of ``unroll`` k-tiles; a tile without the overlap (192
+    columns) becomes the 128x128 1x2-cluster tile of the same raster."""
+    if not (cfg.overlap and cfg.tile_m == 128):
+        cfg = fbg.TileConfig(128, 128, 1, 2, raster=cfg.raster, defer_epilogue=False)
+    return replace(cfg, unroll=unroll, stagger=True)
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
 # overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
@@ -58,6 +70,11 @@ LARGE_CANDIDATES = [
     fbg.TileConfig(128, 128, 1, 2, raster=8), fbg.TileConfig(128, 128, 2, 1, raster=4),
     fbg.TileConfig(128, 192, overlap=False, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
 ]
+
+
+def _ab_candidates(picked: fbg.TileConfig, names: list[str]) -> list[fbg.TileConfig]:
+    """``picked`` and its ``names`` variants, without repeats."""
+    return list(dict.fromkeys([picked, *(AB_VARIANTS[v](picked) for v in names)]))
 
 
 def gemm_f64(xq, xs, wq, ws):
@@ -135,8 +152,8 @@ def main() -> None:
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
                         help="only these (N, K) weight shapes (tuning and table rows)")
-    parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
-                        help="with --tune-rows: time each row's dispatch config against its AB_VARIANTS variant "
+    parser.add_argument("--ab", choices=sorted(AB_VARIANTS), nargs="+", default=None,
+                        help="with --tune-rows: time each row's dispatch config against these AB_VARIANTS variants "
                              "(also for the epilogue rows), and stop after those rows")
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
     args = parser.parse_args()
@@ -180,7 +197,7 @@ def main() -> None:
         if args.tune_rows is not None and m >= args.tune_rows:
             times = {}
             picked = fbg.pick_config(m, n, k)
-            candidates = (picked, AB_VARIANTS[args.ab](picked)) if args.ab else LARGE_CANDIDATES
+            candidates = _ab_candidates(picked, args.ab) if args.ab else LARGE_CANDIDATES
             for cand in candidates:
                 try:
                     prob.check(cand)
@@ -207,7 +224,7 @@ def main() -> None:
             picked = fbg.pick_config(m, n, k, epi)
             variants = (picked,)
             if args.ab:
-                variants = (picked, AB_VARIANTS[args.ab](picked))
+                variants = _ab_candidates(picked, args.ab)
             for epi_cfg in variants:
                 t_epi = prob.ours(epi_cfg, epi, bias)
                 t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)

@@ -33,6 +33,14 @@ EXTRA_CONFIGS = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False),
     fbg.TileConfig(128, 192, overlap=False, defer_epilogue=False),
 ]
+# Staggered overlap groups (warpgroup 1 half a group behind) and 16-k-tile groups: each must give the
+# same bits as the plain overlapped mainloop of the same tile (same WGMMAs, same promotion order).
+STAGGERED = [
+    fbg.TileConfig(128, 128, 1, 2, raster=8, defer_epilogue=False, stagger=True),
+    fbg.TileConfig(128, 128, stagger=True),
+    fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False, unroll=16, stagger=True),
+    fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False, unroll=16),
+]
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -163,6 +171,23 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192).check(Epilogue())
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
+    with pytest.raises(ValueError):  # staggered groups need two consumer warpgroups and the overlap
+        fbg.TileConfig(64, 128, stagger=True).check(Epilogue())
+    with pytest.raises(ValueError):
+        fbg.TileConfig(128, 128, overlap=False, stagger=True).check(Epilogue())
+    with pytest.raises(ValueError):
+        fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
+
+
+def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
+    got = []
+    monkeypatch.setattr(fbg, "compile_gemm", lambda cfg, *a, **kw: got.append(cfg))
+    monkeypatch.setattr(fbg, "_num_sms", lambda device: 132)
+    cfg = fbg.TileConfig(128, 128, unroll=16, stagger=True)
+    for k in (4096, 7168, 1536, 640):  # 32, 56, 12, 5 k-tiles
+        fbg._plan(4096, 4096, k, Epilogue(), False, None, cfg, False)
+    assert [(c.unroll, c.overlap, c.stagger) for c in got] == [(16, True, True), (8, True, True), (4, True, True),
+                                                                (16, False, False)]
 
 
 def test_pick_config_gives_requant_a_128_column_tile():
@@ -205,7 +230,7 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False)])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *STAGGERED])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
@@ -396,6 +421,33 @@ def test_gpu_gemm_matches_float64(m, n, k):
         assert not out.isnan().any()
         assert _rel(out, ref.to(torch.bfloat16)) < 1e-3, cfg
         assert _rel(out, ref) < 4e-3, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 129, 4096])
+@pytest.mark.parametrize(("n", "k"), [(256, 512), (384, 2048), (1024, 4096), (2112, 7168), (4096, 1536)])
+def test_gpu_staggered_and_16_tile_groups_equal_the_plain_mainloop(m, n, k):
+    gen = torch.Generator("cuda").manual_seed(m * 5 + n + k)
+    xq, xs, wq, ws = _operands(m, n, k, gen)
+    ref = gemm_f64(xq, xs, wq, ws, Epilogue())
+    for cfg in STAGGERED:
+        plain = replace(cfg, unroll=8, stagger=False)
+        outs = []
+        for c in (cfg, plain):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            fbg.fp8_block_gemm(xq, xs, wq, ws, config=c, out=out)
+            outs.append(out)
+        err = _rel(outs[0], ref.to(torch.bfloat16))
+        assert not outs[0].isnan().any() and err < 1e-3, (cfg, err)
+        diff = (outs[0].float() - outs[1].float()).abs()
+        assert torch.equal(outs[0], outs[1]), (cfg, int((diff > 0).sum()), float(diff.max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", STAGGERED[:3], ids=str)
+@pytest.mark.parametrize("epi", EPILOGUES[1:3], ids=str)
+def test_gpu_staggered_epilogues_match_float64(epi, cfg):
+    _check_epilogue(1000, epi, replace(cfg, tile_n=128))
 
 
 @pytest.mark.gpu

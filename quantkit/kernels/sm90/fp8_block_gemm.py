@@ -67,6 +67,7 @@ class TileConfig:
     cluster_n: int = 1
     overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % unroll == 0)
     unroll: int = 8  # k-tiles per straight-line group of the overlapped mainloop (each group ends in wait_group(0))
+    stagger: bool = False  # the second consumer warpgroup's groups start half a group later, so the two drains alternate
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
@@ -84,8 +85,10 @@ class TileConfig:
             raise ValueError("tile_n = 192 needs overlap=False (two 96-column temporaries exceed the register budget)")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
-        if self.unroll not in (4, 8):
-            raise ValueError(f"unroll must be 4 or 8 k-tiles, got {self.unroll}")
+        if self.unroll not in (4, 8, 16):
+            raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
+        if self.stagger and not (self.overlap and self.tile_m == 128):
+            raise ValueError("stagger needs the overlapped mainloop and two consumer warpgroups (tile_m = 128)")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
@@ -423,44 +426,31 @@ class Fp8BlockGemmSm90:
             if self._real_tile(tn, n_tiles):
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
-                s_lo = [None] * unroll
-                s_hi = [None] * unroll
-                # Head: issue the first k-tiles (one per temporary), run the previous tile's epilogue
-                # while they compute, then retire them; the first promotion initialises acc.
-                for u in cutlass.range_constexpr(min(2, unroll)):
-                    tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                        tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
-                    read.advance()
-                if cutlass.const_expr(self.cfg.defer_epilogue):
-                    if tiles_done > 0:
-                        self._finish_tile(acc, prev_tm, prev_tn, *epi)
-                # Two temporaries: each k-tile's promotion overlaps the next one's WGMMAs, in groups of
-                # `unroll` k-tiles ending with wait_group(0): ptxas serializes WGMMA (C7514) when an
-                # accumulator group stays in flight across a loop back-edge. Needs K/128 % unroll == 0
-                # (the host falls back to 4, else to no overlap).
-                for u in cutlass.range_constexpr(1, unroll + 1):
-                    if cutlass.const_expr(2 <= u < unroll):
-                        tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                            tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, u, sSA, mSB, seg_blocks, row_lo, row_hi)
-                        read.advance()
-                    cute.nvgpu.warpgroup.wait_group(1 if u < unroll else 0)
-                    ab_pipe.consumer_release(state)
-                    state.advance()
-                    self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag, init=u == 1)
-                for kt0 in range(unroll, k_tiles, unroll):
-                    s_lo = [None] * unroll
-                    s_hi = [None] * unroll
-                    for u in cutlass.range_constexpr(unroll + 1):
-                        if cutlass.const_expr(u < unroll):
-                            tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
-                                tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks,
-                                row_lo, row_hi)
-                            read.advance()
-                        if cutlass.const_expr(u > 0):
-                            cute.nvgpu.warpgroup.wait_group(1 if u < unroll else 0)
-                            ab_pipe.consumer_release(state)
-                            state.advance()
-                            self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag)
+                ops = (tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs)
+                pend = (self.cfg.defer_epilogue, tiles_done, prev_tm, prev_tn, epi)  # the previous tile's epilogue
+                # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
+                # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
+                # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap). With
+                # `stagger`, warpgroup 1's first and last groups are half as long, so while one warpgroup
+                # drains, the other's WGMMAs keep the tensor cores busy.
+                half = unroll // 2
+                if cutlass.const_expr(self.cfg.stagger):
+                    if wg == 1:
+                        tiled_mma, state, read = self._group(tiled_mma, state, read, 0, half, ops, pend)
+                    else:
+                        tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
+                else:
+                    tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
+                first = unroll
+                last = k_tiles
+                if cutlass.const_expr(self.cfg.stagger):
+                    first = unroll - half * wg
+                    last = k_tiles - half * wg
+                for kt0 in range(first, last, unroll):
+                    tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops)
+                if cutlass.const_expr(self.cfg.stagger):
+                    if wg == 1:
+                        tiled_mma, state, read = self._group(tiled_mma, state, read, last, half, ops)
                 if cutlass.const_expr(not self.cfg.defer_epilogue):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
@@ -472,6 +462,33 @@ class Fp8BlockGemmSm90:
             if tiles_done > 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None):
+        """Mainloop k-tiles ``kt0 .. kt0 + length - 1`` in straight-line code: each k-tile's promotion
+        overlaps the next one's WGMMAs (two temporaries), the last is waited for with
+        wait_group(0). The first group of a tile (``pending`` given) initialises ``acc`` and runs the
+        previous tile's deferred epilogue once its first k-tiles are issued. Returns the rebound
+        ``tiled_mma`` and the consumer / read pipeline states."""
+        tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs = ops
+        s_lo = [None] * length
+        s_hi = [None] * length
+        for u in cutlass.range_constexpr(length + 1):
+            if cutlass.const_expr(u < length):
+                tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
+                    tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks, row_lo, row_hi)
+                read.advance()
+            if cutlass.const_expr(pending is not None and u == min(2, length) - 1):
+                deferred, tiles_done, prev_tm, prev_tn, epi = pending
+                if cutlass.const_expr(deferred):
+                    if tiles_done > 0:
+                        self._finish_tile(acc, prev_tm, prev_tn, *epi)
+            if cutlass.const_expr(u > 0):
+                cute.nvgpu.warpgroup.wait_group(1 if u < length else 0)
+                ab_pipe.consumer_release(state)
+                state.advance()
+                self._promote(acc, bufs[(u - 1) % 2], s_lo[u - 1], s_hi[u - 1], n_frag, init=pending is not None and u == 1)
+        return tiled_mma, state, read
 
     @cute.jit
     def _issue_k_tile(self, tiled_mma, tmp, tCrA, tCrB, k_blocks, ab_pipe, read, kt, sSA, mSB, seg_blocks, row_lo, row_hi):
@@ -745,8 +762,9 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
     host path is a dict lookup."""
     config = config or pick_config(m, n, k, epilogue)
     if config.overlap and (k // BLOCK) % config.unroll:
-        # groups of 4 if they divide the k-tiles, else no overlap
-        config = replace(config, unroll=4) if (k // BLOCK) % 4 == 0 else replace(config, overlap=False)
+        # the largest group of 16, 8 or 4 k-tiles that divides the k-tiles, else no overlap
+        fits = [u for u in (16, 8, 4) if u < config.unroll and (k // BLOCK) % u == 0]
+        config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False, stagger=False)
     return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
 
 
