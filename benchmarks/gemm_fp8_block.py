@@ -7,7 +7,7 @@ copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and 
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
-``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, stagger, unroll16, stagger16) times only those rows, each
+``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, unroll16) times only those rows, each
 dispatch config against those variants;
 ``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
 quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm).
@@ -43,33 +43,15 @@ CANDIDATES = [
 TUNE_M = (1, 16, 64, 128, 512, 4096)
 # Rows whose bias+SiLU(+requant) epilogues are timed against the bare GEMM.
 EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
-# Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, or the
-# overlapped mainloop's straight-line group of 8 k-tiles instead of 4 (one wait_group(0) per group),
-# or SiLU through tanh.approx (one MUFU op per element) instead of ex2 + rcp.
+# Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, the
+# overlapped mainloop's straight-line groups (one wait_group(0) per group) of 4 k-tiles, or of 16
+# against 8, or SiLU through tanh.approx (one MUFU op per element) against ex2 + rcp.
 AB_VARIANTS = {
     "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
-    "stagger": lambda cfg: _staggered(cfg, cfg.unroll),
     "unroll16": lambda cfg: replace(cfg, unroll=16 if cfg.unroll != 16 else 8),
-    "stagger16": lambda cfg: _staggered(cfg, 16),
 }
-
-
-def _staggered(cfg: fbg.TileConfig, unroll: int) -> fbg.TileConfig:
-    """``cfg`` with staggered overlap groups of ``unroll`` k-tiles; a tile without the overlap (192
-    columns) becomes the 128x128 1x2-cluster tile of the same raster."""
-    if not (cfg.overlap and cfg.tile_m == 128):
-        cfg = fbg.TileConfig(128, 128, 1, 2, raster=cfg.raster, defer_epilogue=False)
-    return replace(cfg, unroll=unroll, stagger=True)
-# Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
-# tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
-# overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
-LARGE_CANDIDATES = [
-    fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=2), fbg.TileConfig(128, 128, 1, 2, raster=4),
-    fbg.TileConfig(128, 128, 1, 2, raster=8), fbg.TileConfig(128, 128, 2, 1, raster=4),
-    fbg.TileConfig(128, 192, overlap=False, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
-]
 
 
 def _ab_candidates(picked: fbg.TileConfig, names: list[str]) -> list[fbg.TileConfig]:

@@ -33,13 +33,10 @@ EXTRA_CONFIGS = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False),
     fbg.TileConfig(128, 192, overlap=False, defer_epilogue=False),
 ]
-# Staggered overlap groups (warpgroup 1 half a group behind) and 16-k-tile groups: each must give the
-# same bits as the plain overlapped mainloop of the same tile (same WGMMAs, same promotion order).
-STAGGERED = [
-    fbg.TileConfig(128, 128, 1, 2, raster=8, defer_epilogue=False, stagger=True),
-    fbg.TileConfig(128, 128, stagger=True),
-    fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False, unroll=16, stagger=True),
-    fbg.TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False, unroll=16),
+# 16-k-tile overlap groups against the same tile's 8-k-tile groups (same WGMMAs, same promotion order).
+SIXTEEN = [
+    fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
+    fbg.TileConfig(128, 128, unroll=16),
 ]
 EPILOGUES = [
     Epilogue(),
@@ -171,10 +168,6 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192).check(Epilogue())
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
-    with pytest.raises(ValueError):  # staggered groups need two consumer warpgroups and the overlap
-        fbg.TileConfig(64, 128, stagger=True).check(Epilogue())
-    with pytest.raises(ValueError):
-        fbg.TileConfig(128, 128, overlap=False, stagger=True).check(Epilogue())
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
 
@@ -183,11 +176,10 @@ def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypat
     got = []
     monkeypatch.setattr(fbg, "compile_gemm", lambda cfg, *a, **kw: got.append(cfg))
     monkeypatch.setattr(fbg, "_num_sms", lambda device: 132)
-    cfg = fbg.TileConfig(128, 128, unroll=16, stagger=True)
+    cfg = fbg.TileConfig(128, 128, unroll=16)
     for k in (4096, 7168, 1536, 640):  # 32, 56, 12, 5 k-tiles
         fbg._plan(4096, 4096, k, Epilogue(), False, None, cfg, False)
-    assert [(c.unroll, c.overlap, c.stagger) for c in got] == [(16, True, True), (8, True, True), (4, True, True),
-                                                                (16, False, False)]
+    assert [(c.unroll, c.overlap) for c in got] == [(16, True), (8, True), (4, True), (16, False)]
 
 
 def test_pick_config_gives_requant_a_128_column_tile():
@@ -230,7 +222,7 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *STAGGERED])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
@@ -425,29 +417,33 @@ def test_gpu_gemm_matches_float64(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 129, 4096])
-@pytest.mark.parametrize(("n", "k"), [(256, 512), (384, 2048), (1024, 4096), (2112, 7168), (4096, 1536)])
-def test_gpu_staggered_and_16_tile_groups_equal_the_plain_mainloop(m, n, k):
-    gen = torch.Generator("cuda").manual_seed(m * 5 + n + k)
+@pytest.mark.parametrize(("n", "k"), [(384, 2048), (1024, 4096), (2112, 7168), (4096, 1536)])
+def test_gpu_16_tile_groups_match_float64_and_8_tile_groups(m, n, k):
+    """16-k-tile groups (K/128 = 16, 32; 56 and 12 fall back to 8 and 4) meet the float64 gates of
+    :func:`test_gpu_gemm_matches_float64` and lie within one bf16 ulp of the 8-k-tile kernel (FP32
+    contraction order may differ)."""
+    gen = torch.Generator("cuda").manual_seed(m * 7 + n + k)
     xq, xs, wq, ws = _operands(m, n, k, gen)
     ref = gemm_f64(xq, xs, wq, ws, Epilogue())
-    for cfg in STAGGERED:
-        plain = replace(cfg, unroll=8, stagger=False)
+    for cfg in SIXTEEN:
         outs = []
-        for c in (cfg, plain):
+        for c in (cfg, replace(cfg, unroll=8)):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             fbg.fp8_block_gemm(xq, xs, wq, ws, config=c, out=out)
             outs.append(out)
-        err = _rel(outs[0], ref.to(torch.bfloat16))
-        assert not outs[0].isnan().any() and err < 1e-3, (cfg, err)
-        diff = (outs[0].float() - outs[1].float()).abs()
-        assert torch.equal(outs[0], outs[1]), (cfg, int((diff > 0).sum()), float(diff.max()))
+        errs = (_rel(outs[0], ref.to(torch.bfloat16)), _rel(outs[0], ref))
+        assert not outs[0].isnan().any() and errs[0] < 1e-3 and errs[1] < 4e-3, (cfg, errs)
+        a, b = outs[0].double(), outs[1].double()
+        ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
+        far = (a - b).abs() > ulp
+        assert not far.any(), (cfg, int(far.sum()), float((a - b).abs().max()))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", STAGGERED[:3], ids=str)
+@pytest.mark.parametrize("cfg", SIXTEEN, ids=str)
 @pytest.mark.parametrize("epi", EPILOGUES[1:3], ids=str)
-def test_gpu_staggered_epilogues_match_float64(epi, cfg):
-    _check_epilogue(1000, epi, replace(cfg, tile_n=128))
+def test_gpu_16_tile_group_epilogues_match_float64(epi, cfg):
+    _check_epilogue(1000, epi, cfg)
 
 
 @pytest.mark.gpu

@@ -67,7 +67,6 @@ class TileConfig:
     cluster_n: int = 1
     overlap: bool = True  # two temporaries: the next 128-K block's WGMMAs overlap this one's promotion (K/128 % unroll == 0)
     unroll: int = 8  # k-tiles per straight-line group of the overlapped mainloop (each group ends in wait_group(0))
-    stagger: bool = False  # the second consumer warpgroup's groups start half a group later, so the two drains alternate
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
@@ -87,8 +86,6 @@ class TileConfig:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
         if self.unroll not in (4, 8, 16):
             raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
-        if self.stagger and not (self.overlap and self.tile_m == 128):
-            raise ValueError("stagger needs the overlapped mainloop and two consumer warpgroups (tile_m = 128)")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
@@ -430,27 +427,10 @@ class Fp8BlockGemmSm90:
                 pend = (self.cfg.defer_epilogue, tiles_done, prev_tm, prev_tn, epi)  # the previous tile's epilogue
                 # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
                 # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
-                # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap). With
-                # `stagger`, warpgroup 1's first and last groups are half as long, so while one warpgroup
-                # drains, the other's WGMMAs keep the tensor cores busy.
-                half = unroll // 2
-                if cutlass.const_expr(self.cfg.stagger):
-                    if wg == 1:
-                        tiled_mma, state, read = self._group(tiled_mma, state, read, 0, half, ops, pend)
-                    else:
-                        tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
-                else:
-                    tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
-                first = unroll
-                last = k_tiles
-                if cutlass.const_expr(self.cfg.stagger):
-                    first = unroll - half * wg
-                    last = k_tiles - half * wg
-                for kt0 in range(first, last, unroll):
+                # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap).
+                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
+                for kt0 in range(unroll, k_tiles, unroll):
                     tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops)
-                if cutlass.const_expr(self.cfg.stagger):
-                    if wg == 1:
-                        tiled_mma, state, read = self._group(tiled_mma, state, read, last, half, ops)
                 if cutlass.const_expr(not self.cfg.defer_epilogue):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
@@ -692,10 +672,11 @@ _S, _W = TileConfig(64, 64), TileConfig(64, 128)  # small-M tiles
 # The 128x128 large-M tiles run each tile's epilogue right after its mainloop: the deferred epilogue
 # was 0-8 % slower for the bare GEMM at M=4096 and no faster with bias+SiLU+requant (H200 A/B,
 # benchmarks/NOTES.md session 4); the 192-column tile keeps it (up to 3 % faster there).
-_T, _L = TileConfig(128, 64), TileConfig(128, 128, defer_epilogue=False)  # large-M tiles
+# 16-k-tile groups: 0.8-1.9 % faster than 8 on the 128x128 rows where K/128 divides by 16 (session 12).
+_T, _L = TileConfig(128, 64), TileConfig(128, 128, unroll=16, defer_epilogue=False)  # large-M tiles
 _WC = TileConfig(64, 128, 1, 2, unroll=4)  # cluster of 2 along N (A multicast); 4-k-tile groups: 7 % faster at M <= 16 on 28672x4096
-_LC4 = TileConfig(128, 128, 1, 2, raster=4, defer_epilogue=False)  # A multicast + raster groups
-_LC8 = TileConfig(128, 128, 1, 2, raster=8, defer_epilogue=False)
+_LC4 = TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False)  # A multicast + raster groups
+_LC8 = TileConfig(128, 128, 1, 2, raster=8, unroll=16, defer_epilogue=False)
 _NB4 = TileConfig(128, 192, 2, 1, overlap=False, raster=4)  # 192-column tiles, B multicast (N = 2112 is 11 of them)
 _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
     (n, k): tuple(zip(_M_BUCKETS, cfgs))
@@ -764,7 +745,7 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
     if config.overlap and (k // BLOCK) % config.unroll:
         # the largest group of 16, 8 or 4 k-tiles that divides the k-tiles, else no overlap
         fits = [u for u in (16, 8, 4) if u < config.unroll and (k // BLOCK) % u == 0]
-        config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False, stagger=False)
+        config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False)
     return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
 
 
