@@ -38,12 +38,6 @@ SIXTEEN = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
     fbg.TileConfig(128, 128, unroll=16),
 ]
-# bf16 output stored from registers instead of through shared memory and TMA (same bits).
-DIRECT = [
-    fbg.TileConfig(128, 128, 1, 2, raster=8, unroll=16, defer_epilogue=False, direct_store=True),
-    fbg.TileConfig(128, 128, direct_store=True),
-    fbg.TileConfig(64, 128, direct_store=True),
-]
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -176,8 +170,6 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
-    with pytest.raises(ValueError):  # requant leaves through shared memory
-        fbg.TileConfig(128, 128, direct_store=True).check(Epilogue(requant="fp8-block"))
 
 
 def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
@@ -230,7 +222,7 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN, *DIRECT])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
@@ -241,10 +233,7 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, (cfg, epi)
         if epi.requant:
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-        # the output tile leaves by TMA store, or with direct_store as 4-byte stores from registers
-        assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) != cfg.direct_store, (cfg, epi)
-        if not epi.requant:  # (requant stores its FP32 scales with st.global.b32)
-            assert ("st.global.b32" in ptx) == cfg.direct_store, (cfg, epi)
+        assert "cp.async.bulk.tensor.2d.global.shared" in ptx, (cfg, epi)  # TMA store of the output tile
         if epi.activation in ("silu", "gelu_tanh"):  # act_tanh: one MUFU op per element instead of ex2 + rcp
             assert ("tanh.approx.f32" in ptx) == cfg.act_tanh and ("ex2.approx" in ptx) != cfg.act_tanh, (cfg, epi)
 
@@ -448,33 +437,6 @@ def test_gpu_16_tile_groups_match_float64_and_8_tile_groups(m, n, k):
         ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
         far = (a - b).abs() > ulp
         assert not far.any(), (cfg, int(far.sum()), float((a - b).abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 129, 1000, 4096])
-@pytest.mark.parametrize(("n", "k"), [(320, 640), (2112, 7168), (1024, 4096)])
-def test_gpu_direct_store_equals_the_tma_store(m, n, k):
-    """bf16 tiles stored from registers give the bits of the shared-memory + TMA store, rows past M
-    and columns past N untouched (the output buffer is poisoned around the result)."""
-    gen = torch.Generator("cuda").manual_seed(m * 3 + n + k)
-    xq, xs, wq, ws = _operands(m, n, k, gen)
-    ref = gemm_f64(xq, xs, wq, ws, Epilogue())
-    for cfg in DIRECT:
-        buf = torch.full((m + 1, n + 2), float("nan"), dtype=torch.bfloat16, device="cuda")
-        out = buf[:m].view(-1)[: m * n].view(m, n)  # contiguous [m, n] inside a poisoned buffer
-        fbg.fp8_block_gemm(xq, xs, wq, ws, config=cfg, out=out)
-        tma = fbg.fp8_block_gemm(xq, xs, wq, ws, config=replace(cfg, direct_store=False))
-        errs = (_rel(out, ref.to(torch.bfloat16)), _rel(out, ref))
-        assert not out.isnan().any() and errs[0] < 1e-3 and errs[1] < 4e-3, (cfg, errs)
-        assert torch.equal(out, tma), (cfg, int((out != tma).sum()))
-        assert buf.view(-1)[m * n:].isnan().all(), cfg  # nothing written past the output
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", DIRECT[:2], ids=str)
-@pytest.mark.parametrize("epi", [EPILOGUES[2], EPILOGUES[4], EPILOGUES[5]], ids=str)
-def test_gpu_direct_store_epilogues_match_float64(epi, cfg):
-    _check_epilogue(1000, epi, cfg)
 
 
 @pytest.mark.gpu

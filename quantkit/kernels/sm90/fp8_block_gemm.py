@@ -70,7 +70,6 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
-    direct_store: bool = False  # bf16 output stored from registers (no shared-memory tile, a pipeline stage more)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -94,8 +93,6 @@ class TileConfig:
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
         if epilogue.requant is not None and (epilogue.requant != "fp8-block" or out_cols != BLOCK):
             raise ValueError("requant supports fp8-block with 128 output columns per tile (tile_n = 128, no swiglu)")
-        if self.direct_store and epilogue.requant is not None:
-            raise ValueError("direct_store is for bf16 output; requant leaves through shared memory")
 
 
 def scales_for_tma(x_scale):
@@ -198,7 +195,7 @@ class Fp8BlockGemmSm90:
         # The whole output tile in smem: bf16 as (tile_m x 32)-column sub-tiles, FP8 (requant) as one
         # (tile_m x 128-byte) tile; each sub-tile spans every consumer warpgroup's rows.
         self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)
-        self.epi_stage = 1 if self.cfg.direct_store else self.out_tile_n // self.epi_tile[1]  # 1: unused
+        self.epi_stage = self.out_tile_n // self.epi_tile[1]
         self._make_smem_layouts()
 
         tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
@@ -411,7 +408,7 @@ class Fp8BlockGemmSm90:
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
             r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
-        epi = (out, tCcAcc, tCcOut, n_frag, mD, mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -485,16 +482,11 @@ class Fp8BlockGemmSm90:
         return tiled_mma, s_lo, s_hi
 
     @cute.jit
-    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, mD, mBias, mRes, mDS, sD, gD, tma_d,
+    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
                      store_pipe, r2s, warp_idx):
-        """Epilogue of tile (tm, tn): math in registers, then straight to global memory
-        (``direct_store``) or the tile into sD and one TMA store group."""
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
         m0 = tm * self.cfg.tile_m
-        m_total = mD.shape[0]
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
-        if cutlass.const_expr(self.cfg.direct_store):
-            self._store_direct(out, tCcOut, m0, tn, mD)
-            return
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
         epi_tiles = cute.size(gD_epi, mode=[1])
@@ -526,22 +518,6 @@ class Fp8BlockGemmSm90:
         """False for the N-clusters past ``N`` that a raster group > 1 adds (whole clusters only, so
         multicast peers agree)."""
         return tn - tn % self.cfg.cluster_n < n_tiles
-
-    @cute.jit
-    def _store_direct(self, out, tCcOut, m0, tn, mD):
-        """bf16 output straight from registers: each thread's adjacent column pairs as 4-byte stores
-        (rows past ``M`` and columns past ``N`` skipped)."""
-        out_n0 = tn * self.out_tile_n
-        d_pairs = cute.zipped_divide(mD, (1, 2))  # a thread's columns (2p, 2p + 1) are adjacent
-        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
-        for j in cutlass.range_constexpr(cute.size(out, mode=[0]) // 4):
-            for h in cutlass.range_constexpr(2):
-                coord = tCcOut[((0, h, j), 0, 0)]
-                m = m0 + coord[0]
-                if m < mD.shape[0] and out_n0 + coord[1] < mD.shape[1]:
-                    pair[0, 0] = out[((0, h, j), 0, 0)]
-                    pair[0, 1] = out[((1, h, j), 0, 0)]
-                    d_pairs[(None, (m, (out_n0 + coord[1]) // 2))].store(pair.load().to(cutlass.BFloat16))
 
     @cute.jit
     def _store_fp8_smem(self, out, tCcOut, sD):
