@@ -2,11 +2,12 @@
 
 Decode (default): the GEMV and the WGMMA W4A16 kernel at M = 1 on Llama-3-70B 57344x8192 and
 8192x8192 (``--gemv CFG`` per shape, ``warps,stages,splits``). Prefill (``--prefill NxKxM``): the
-W4A8 GEMM (on already quantized activations) and the fp8-block GEMM of the same shape, the
-kernel W4A8 is measured against.
+W4A8 GEMM (on already quantized activations), the fp8-block GEMM of the same shape (the kernel
+W4A8 is measured against) and cuBLAS's FP8 row-wise ``_scaled_mm`` (the one fp8-block is measured
+against; its kernel name matches ``gemm``).
 
 Run: ``ncu --clock-control none --section SpeedOfLight --section WarpStateStats
---section ComputeWorkloadAnalysis -k regex:"Gemv|Gemm" python benchmarks/ncu_nvfp4.py [...]``.
+--section ComputeWorkloadAnalysis -k regex:"Gemv|Gemm|gemm" python benchmarks/ncu_nvfp4.py [...]``.
 """
 import argparse
 import sys
@@ -50,8 +51,12 @@ def prefill(shape: str) -> None:
     xq, xs = nw8.quantize_activation(x)
     nw8.nvfp4_w4a8_quantized(xq, xs, w)
     xq8, xs8 = fp8.quantize(x, (1, 128))
-    wq8 = fp8.quantize(torch.randn(n, k, device="cuda").to(torch.bfloat16), (128, 128))
+    w16 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    wq8 = fp8.quantize(w16, (128, 128))
     fbg.fp8_block_gemm(xq8, fbg.scales_for_tma(xs8), *wq8)
+    # cuBLAS FP8 with row-wise scales on the same shape, the kernel fp8-block is measured against
+    xr, wr = fp8.quantize(x, (1, 0)), fp8.quantize(w16, (1, 0))
+    torch._scaled_mm(xr[0], wr[0].t(), scale_a=xr[1], scale_b=wr[1].t(), out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     print(f"{n}x{k} M={m}: w4a8 {ng.pick_config(m, w.row_exp.shape[0], k, Epilogue(), True)}, "
           f"fp8-block {fbg.pick_config(m, n, k)}")
