@@ -38,11 +38,6 @@ SIXTEEN = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
     fbg.TileConfig(128, 128, unroll=16),
 ]
-# bf16 tiles stored in two TMA rounds through half the shared memory (a 6th pipeline stage fits).
-ROUNDS = [
-    fbg.TileConfig(128, 128, 1, 2, raster=8, unroll=16, defer_epilogue=False, store_rounds=2),
-    fbg.TileConfig(128, 128, store_rounds=2),
-]
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -175,8 +170,6 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
-    with pytest.raises(ValueError):  # 2 sub-tiles of 32 columns do not split into 3 rounds
-        fbg.TileConfig(128, 64, store_rounds=3).check(Epilogue())
 
 
 def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
@@ -229,7 +222,7 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN, *ROUNDS])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
@@ -444,33 +437,6 @@ def test_gpu_16_tile_groups_match_float64_and_8_tile_groups(m, n, k):
         ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
         far = (a - b).abs() > ulp
         assert not far.any(), (cfg, int(far.sum()), float((a - b).abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 129, 1000, 4096])
-@pytest.mark.parametrize(("n", "k"), [(320, 640), (2112, 7168), (1024, 4096)])
-def test_gpu_two_store_rounds_equal_one(m, n, k):
-    """A bf16 tile stored in two rounds gives the bits of the one-round store, and nothing past the
-    output is written (it sits in a poisoned buffer)."""
-    gen = torch.Generator("cuda").manual_seed(m * 3 + n + k)
-    xq, xs, wq, ws = _operands(m, n, k, gen)
-    ref = gemm_f64(xq, xs, wq, ws, Epilogue())
-    for cfg in ROUNDS:
-        buf = torch.full((m + 1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        out = buf[:m]
-        fbg.fp8_block_gemm(xq, xs, wq, ws, config=cfg, out=out)
-        one = fbg.fp8_block_gemm(xq, xs, wq, ws, config=replace(cfg, store_rounds=1))
-        errs = (_rel(out, ref.to(torch.bfloat16)), _rel(out, ref))
-        assert not out.isnan().any() and errs[0] < 1e-3 and errs[1] < 4e-3, (cfg, errs)
-        assert torch.equal(out, one), (cfg, int((out != one).sum()))
-        assert buf[m].isnan().all(), cfg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ROUNDS, ids=str)
-@pytest.mark.parametrize("epi", [EPILOGUES[2], EPILOGUES[4], EPILOGUES[5]], ids=str)
-def test_gpu_two_store_round_epilogues_match_float64(epi, cfg):
-    _check_epilogue(1000, epi, cfg)
 
 
 @pytest.mark.gpu

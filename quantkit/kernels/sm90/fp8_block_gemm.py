@@ -70,7 +70,6 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
-    store_rounds: int = 1  # TMA store rounds of a bf16 tile (2: half the shared-memory tile, a pipeline stage more)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -89,8 +88,6 @@ class TileConfig:
             raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
-        if self.store_rounds not in (1, 2) or (self.tile_n // (2 if epilogue.activation == "swiglu" else 1) // 32) % self.store_rounds:
-            raise ValueError(f"store_rounds must be 1 or 2 and divide the tile's 32-column sub-tiles, got {self.store_rounds}")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -198,8 +195,7 @@ class Fp8BlockGemmSm90:
         # The whole output tile in smem: bf16 as (tile_m x 32)-column sub-tiles, FP8 (requant) as one
         # (tile_m x 128-byte) tile; each sub-tile spans every consumer warpgroup's rows.
         self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)
-        self.epi_tiles = self.out_tile_n // self.epi_tile[1]
-        self.epi_stage = self.epi_tiles if self.requant else self.epi_tiles // self.cfg.store_rounds  # buffered sub-tiles
+        self.epi_stage = self.out_tile_n // self.epi_tile[1]
         self._make_smem_layouts()
 
         tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
@@ -493,32 +489,30 @@ class Fp8BlockGemmSm90:
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
+        epi_tiles = cute.size(gD_epi, mode=[1])
         epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
-        # Sub-tile e of the tile goes through buffer e % epi_stage, in rounds of epi_stage sub-tiles;
-        # each round waits until the previous round's (or tile's) store has read sD.
-        for r in cutlass.range_constexpr(self.epi_tiles // self.epi_stage):
-            if warp_idx == 4:
-                store_pipe.producer_acquire()
-            self.epi_barrier.arrive_and_wait()
-            if cutlass.const_expr(self.requant):
-                self._store_fp8_smem(out, tCcOut, sD)
-            else:
-                tiled_copy_r2s, tRS_sD, tRS_rOut, rD_shape = r2s
-                tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-                tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
-                size_rD = cute.size(tRS_rD)
-                for b in cutlass.range_constexpr(self.epi_stage):
-                    e = r * self.epi_stage + b
-                    for v in cutlass.range_constexpr(size_rD):
-                        tRS_rD[v] = tRS_rOut[e * size_rD + v]
-                    tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, b)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()
-            if warp_idx == 4:
-                for b in cutlass.range_constexpr(self.epi_stage):
-                    cute.copy(tma_d, bSG_sD[(None, b)], bSG_gD[(None, epi_grid.get_hier_coord(r * self.epi_stage + b))])
-                store_pipe.producer_commit()
+        # The previous tile's store must have read sD before anyone overwrites it.
+        if warp_idx == 4:
+            store_pipe.producer_acquire()
+        self.epi_barrier.arrive_and_wait()
+        if cutlass.const_expr(self.requant):
+            self._store_fp8_smem(out, tCcOut, sD)
+        else:
+            tiled_copy_r2s, tRS_sD, tRS_rOut, rD_shape = r2s
+            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+            size_rD = cute.size(tRS_rD)
+            for e in cutlass.range_constexpr(epi_tiles):
+                for v in cutlass.range_constexpr(size_rD):
+                    tRS_rD[v] = tRS_rOut[e * size_rD + v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, e)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if warp_idx == 4:
+            for e in cutlass.range_constexpr(epi_tiles):
+                cute.copy(tma_d, bSG_sD[(None, e)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
+            store_pipe.producer_commit()
 
     def _real_tile(self, tn, n_tiles):
         """False for the N-clusters past ``N`` that a raster group > 1 adds (whole clusters only, so
