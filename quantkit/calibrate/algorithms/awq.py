@@ -45,7 +45,8 @@ def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: i
 # (grid points, max tokens) when not given: with quantized activations each candidate costs a GEMM
 # over the tokens, and 10 x 2048 cost 2.5x less than AutoAWQ's 20 x 4096 at +0.4 % perplexity
 # (Gemma-3-270M NVFP4 awq+mse 32.50 vs 32.37); with float activations the Gram form makes tokens
-# free, and 20 x 4096 gave 28.86 against 29.22 for 10 x 2048 (NVFP4 W4A16; docs/accuracy.md).
+# free, and 20 x 4096 gave 28.86 against 29.22 for 10 x 2048 (NVFP4 W4A16, AVX2 host; 29.07 with
+# AVX-512 CPU kernels: docs/accuracy.md).
 DEFAULTS = {"quantized activations": (10, 2048), "float activations": (20, 4096)}
 
 
