@@ -127,7 +127,10 @@ def main() -> None:
     calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     setup = {"windows": args.windows, "seq_len": args.seq_len, "docs": args.docs, "calib": args.calib or "embedded corpus",
-             "calib_tokens": calib.numel(), "threads": torch.get_num_threads(), "propagate": args.propagate}
+             "calib_tokens": calib.numel(), "threads": torch.get_num_threads(), "propagate": args.propagate,
+             # the CPU kernels' vector ISA: AVX2 and AVX-512 round float32 sums differently, which flips
+             # calibration choices (docs/accuracy.md, footnote 13); ATEN_CPU_CAPABILITY selects it
+             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     def record(key: str, model, calib_s: float | None, recipe: str) -> None:
         t = time.time()
