@@ -52,6 +52,14 @@ AB_VARIANTS = {
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
     "unroll16": lambda cfg: replace(cfg, unroll=16 if cfg.unroll != 16 else 8),
 }
+# Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
+# tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without
+# overlap and 192 with raster 1: never fastest (notes/fp8_block.md).
+LARGE_CANDIDATES = [
+    fbg.TileConfig(128, 128), fbg.TileConfig(128, 128, 1, 2, raster=2), fbg.TileConfig(128, 128, 1, 2, raster=4),
+    fbg.TileConfig(128, 128, 1, 2, raster=8), fbg.TileConfig(128, 128, 2, 1, raster=4),
+    fbg.TileConfig(128, 192, overlap=False, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
+]
 
 
 def _ab_candidates(picked: fbg.TileConfig, names: list[str]) -> list[fbg.TileConfig]:
