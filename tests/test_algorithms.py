@@ -144,12 +144,9 @@ def test_smoothing_pairs_found(arch):
     assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
 
 
-def test_awq_defaults_follow_the_activation_format():
-    ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
-    assert AWQ()._settings(ctx) == (20, 4096)  # float activations: the Gram form makes tokens free
-    assert AWQ(grid=5, max_tokens=64)._settings(ctx) == (5, 64)
-    ctx.fmt = get_format("nvfp4")
-    assert AWQ()._settings(ctx) == (10, 2048)  # quantized activations: a GEMM over the tokens per candidate
+def test_awq_settings_default_to_10_points_on_2048_tokens():
+    assert AWQ()._settings() == (10, 2048)
+    assert AWQ(grid=5, max_tokens=64)._settings() == (5, 64)
 
 
 def test_awq_gram_error_equals_the_token_error():
