@@ -449,7 +449,8 @@ class Fp8BlockGemmSm90:
         overlaps the next one's WGMMAs (two temporaries), the last is waited for with
         wait_group(0). The first group of a tile (``pending`` given) initialises ``acc`` and runs the
         previous tile's deferred epilogue once its first k-tiles are issued. Returns the rebound
-        ``tiled_mma`` and the consumer / read pipeline states."""
+        ``tiled_mma`` and the consumer / read pipeline states (advanced in place, but the caller must
+        rebind them: CuTeDSL carries a dynamic loop's state only through assignments)."""
         tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs = ops
         s_lo = [None] * length
         s_hi = [None] * length
