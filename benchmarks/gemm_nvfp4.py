@@ -404,7 +404,8 @@ TUNE_MS = [1, 16, 64, 256, 4096]
 def candidates(m, n_pad, k, w4a8):
     """Configs to try for one problem: the heuristic's token tile (W4A8 prefill: 128 and 256),
     1 or 2 warpgroups, K-splits (>= 4 stages each; 1..8 for decode, 1..2 from M=256, 1 at prefill),
-    the deepest pipeline that fits (and 4 stages for decode tiles)."""
+    the deepest pipeline that fits (and 4 stages for decode tiles); beyond 128 tokens also each
+    unsplit one as a persistent kernel at the two deepest pipelines that leave staging room."""
     base = ng.pick_config(m, n_pad, k, Epilogue(), w4a8)
     bns = (128, 256) if (w4a8 and m > 128) else (base.bn,)
     split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2) if m <= 256 else (1,))
@@ -417,7 +418,19 @@ def candidates(m, n_pad, k, w4a8):
                 for splits in split_opts:
                     if stages >= 3 and (k // ng.BK) // splits >= 4:
                         out.add(ng.Config(bn, wgs, stages, splits))
+    if m > 128:  # persistent CTAs, the output staged beside the two deepest pipelines that leave room
+        for cfg in list(out):
+            fits = [s for s in range(cfg.stages, 2, -1) if stage_ok(dataclasses.replace(cfg, stages=s, persistent=True), w4a8)]
+            out.update(dataclasses.replace(cfg, stages=s, persistent=True) for s in fits[:2])
     return base, sorted(out, key=str)
+
+
+def stage_ok(cfg, w4a8) -> bool:
+    try:
+        cfg.check(Epilogue(), w4a8)
+    except ValueError:
+        return False
+    return True
 
 
 def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES):
@@ -530,6 +543,7 @@ def main():
     ap.add_argument("--no-quack", action="store_true")
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="W4A16 token counts to time")
     ap.add_argument("--no-w4a8", action="store_true", help="time W4A16 only")
+    ap.add_argument("--w4a8-ms", type=int, nargs="+", default=W4A8_MS, help="W4A8 token counts to time")
     ap.add_argument("--gemv-tune", action="store_true", help="also sweep decode GEMV configs")
     ap.add_argument("--gemv-tune-budget", type=float, default=60)
     ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
@@ -557,7 +571,7 @@ def main():
     if not args.skip_check:  # overlaps the benchmark's compiles; the timing waits for it
         checker = subprocess.Popen([sys.executable, __file__, "--check-only", "--out", str(out)]
                                    + (["--check-gemv-only"] if args.check_gemv_only else []))
-    ms, w4a8_ms = args.ms, ([] if args.no_w4a8 else W4A8_MS)
+    ms, w4a8_ms = args.ms, ([] if args.no_w4a8 else args.w4a8_ms)
     with open(out / "bench.log", "w") as fh:
         # compile the benchmark kernels while the check runs
         for m in sorted(set(ms) | set(w4a8_ms)):

@@ -236,15 +236,21 @@ class Config:
     # Options compiled and CPU-checked but not yet timed or checked on a GPU (off by default):
     pdl: bool = False  # programmatic dependent launch: weights stream before the previous kernel ends
     batched: bool = False  # per stage: decode every k-block, then issue all WGMMAs
+    # One CTA per SM looping over the output tiles: the producer loads the next tile's first stages
+    # while the consumers run the epilogue, staged in its own shared memory (no K-split, no PDL).
+    persistent: bool = False
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
         if self.bn not in (8, 16, 32, 64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
             raise ValueError(f"unsupported config {self}")
-        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE
-        if need > _SMEM:
-            raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode; "
-                             f"an sm90 CTA has {_SMEM}: use fewer stages")
+        if self.persistent and (self.splits > 1 or self.pdl):
+            raise ValueError(f"{self}: a persistent config has no K-split and no PDL")
+        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self.bn, epilogue)
+        if need > _SMEM or staging_tokens(self, epilogue, w4a8) < 8:
+            raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode"
+                             f"{' and room to stage the output' if self.persistent else ''}; an sm90 CTA has "
+                             f"{_SMEM}: use fewer stages")
         if epilogue.activation == "swiglu" and self.warpgroups != 2:
             raise ValueError("swiglu needs 2 warpgroups (the gate and up halves of a 128-row group)")
         if epilogue.requant is not None:
@@ -260,6 +266,24 @@ def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     """Shared memory of one pipeline stage: each warpgroup's weight tile plus the [bn, BK]
     activation tile (FP8 in W4A8, bf16 in W4A16)."""
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
+
+
+def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
+    """Shared memory in which SwiGLU's up half (warpgroup 1) meets its gate half: FP32 ``[bn/2, 128]``."""
+    return 128 * (bn // 2) * 4 if epilogue.activation == "swiglu" else 0
+
+
+def staging_tokens(config: Config, epilogue: Epilogue, w4a8: bool) -> int:
+    """Tokens per pass of the epilogue's output staging tile (each warpgroup's ``[tokens, 64]`` FP32
+    tile, rows padded to ``STAGE_ROW`` floats): the most (a power of two, at most ``bn``) that fit
+    the drained pipeline's shared memory, or in a persistent kernel the memory the stages and the
+    SwiGLU exchange leave (the pipeline is then already filling for the next tile)."""
+    pipe = config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
+    room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config.bn, epilogue) if config.persistent else pipe
+    tokens = config.bn
+    while tokens and config.warpgroups * tokens * STAGE_ROW * 4 > room:
+        tokens //= 2
+    return tokens
 
 
 def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_sms: int = 132) -> Config:
@@ -303,7 +327,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
     else:
-        stages = max(3, min(8, (_SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE) // stage_bytes(bn, wgs, w4a8)))
+        room = _SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
+        stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
     return Config(bn, wgs, stages, splits)
 
 
@@ -426,9 +451,9 @@ def _kernel_class():
     class Nvfp4GemmSm90:
         """One (mode, config, epilogue, bias dtype) kernel; call through ``cute.compile``."""
 
-        def __init__(self, config: Config, epilogue: Epilogue, w4a8: bool, bias_fp32: bool):
+        def __init__(self, config: Config, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, num_sms: int):
             config.check(epilogue, w4a8)
-            self.cfg, self.epi, self.w4a8 = config, epilogue, w4a8
+            self.cfg, self.epi, self.w4a8, self.num_sms = config, epilogue, w4a8, num_sms
             self.bias_dtype = Float32 if bias_fp32 else cutlass.BFloat16
             self.ab_dtype = cutlass.Float8E4M3FN if w4a8 else cutlass.BFloat16
             self.mma_k = BK // (32 if w4a8 else 16)  # WGMMA k-blocks per stage
@@ -440,6 +465,7 @@ def _kernel_class():
             self.producer_warp = 4 * self.wgs
             self.threads = 128 * (self.wgs + 1)
             self.rebalance = self.wgs == 2 and config.bn >= 128
+            self.stage_tokens = staging_tokens(config, epilogue, w4a8)
 
         @cute.jit
         def __call__(self, x_ptr: Int64, tiles_ptr: Int64, exp_ptr: Int64, xs_ptr: Int64, gs_ptr: Int64,
@@ -481,11 +507,17 @@ def _kernel_class():
                 wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
                 sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
                 xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
+                stage: cute.struct.Align[cute.struct.MemRange[
+                    Float32, self.wgs * self.stage_tokens * STAGE_ROW if cfg.persistent else 4], 16]
 
             self.shared_storage = SharedStorage
-            grid = (n_pad // (ROWS * self.wgs), (m + cfg.bn - 1) // cfg.bn, cfg.splits)
+            n_bx = n_pad // (ROWS * self.wgs)
+            grid = (n_bx, (m + cfg.bn - 1) // cfg.bn, cfg.splits)
+            n_tiles = grid[0] * grid[1]
+            if cutlass.const_expr(cfg.persistent):
+                grid = (cutlass.min(n_tiles, self.num_sms), 1, 1)
             self.kernel(tma_x, tX, tiles_ptr, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
-                        m, n_out, n_rows, k, tiled_mma, x_smem).launch(
+                        m, n_out, n_rows, k, n_bx, n_tiles, tiled_mma, x_smem).launch(
                 grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl,
                 # large accumulators: let ptxas use the whole register file for one CTA
                 min_blocks_per_mp=1 if cfg.bn >= 128 else 0)
@@ -494,7 +526,7 @@ def _kernel_class():
         def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tiles_ptr: Int64,
                    mExp: cute.Tensor | None, mXs: cute.Tensor | None, mGs: cute.Tensor, mOut: cute.Tensor,
                    mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
-                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32,
+                   m: Int32, n_out: Int32, n_rows: Int32, k: Int32, n_bx: Int32, n_tiles: Int32,
                    tiled_mma: cute.TiledMma, x_smem: cute.ComposedLayout):
             cfg = self.cfg
             tidx, _, _ = cute.arch.thread_idx()
@@ -530,24 +562,38 @@ def _kernel_class():
                 if cutlass.const_expr(self.rebalance):
                     cute.arch.setmaxregister_decrease(40)
                 if warp_idx == self.producer_warp:
-                    self.producer(pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, k_tiles, kt_begin, kt_end)
+                    self.producer(pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, n_bx, n_tiles, k_tiles,
+                                  kt_begin, kt_end)
             else:
                 if cutlass.const_expr(self.rebalance):
                     cute.arch.setmaxregister_increase(232)
-                self.consumer(pipe, tiled_mma, sX, wbuf, storage, tidx, warp_idx // 4, bx, by, bz,
+                self.consumer(pipe, tiled_mma, sX, wbuf, storage, tidx, warp_idx // 4, bx, by, bz, n_bx, n_tiles,
                               kt_begin, kt_end, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
                               m, n_out, n_rows)
 
         @cute.jit
-        def producer(self, pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, k_tiles, kt_begin, kt_end):
+        def producer(self, pipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, bx, by, n_bx, n_tiles, k_tiles, kt_begin, kt_end):
             """One warp: per stage, the warpgroups' weight tiles (bulk copies) and the activation tile
-            (TMA) onto one mbarrier."""
+            (TMA) onto one mbarrier; a persistent CTA does so for tiles ``bx, bx + grid, ...`` in turn."""
             cfg = self.cfg
             gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
             tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
                 tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
             wbuf_addr = wbuf.toint()
+            loads = (pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles)
+            if cutlass.const_expr(cfg.persistent):
+                grid_x, _, _ = cute.arch.grid_dim()
+                for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
+                    state = self.produce(*loads, state, t % n_bx, t // n_bx, 0, k_tiles)
+                pipe.producer_tail(state)
+            else:
+                self.produce_tile(*loads, state, bx, by, kt_begin, kt_end)
+
+        @cute.jit
+        def produce_tile(self, pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles, state, bx, by, kt_begin, kt_end):
+            """The stages of one output tile (k-tiles ``kt_begin..kt_end``), then the pipeline tail."""
+            cfg = self.cfg
             first = kt_begin
             if cutlass.const_expr(cfg.pdl):
                 # The weights do not depend on the previous kernel: fill the pipeline with them, then
@@ -563,14 +609,20 @@ def _kernel_class():
                     cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, x_state.index)],
                               tma_bar_ptr=pipe.producer_get_barrier(x_state))
                     x_state.advance()
-            for kt in cutlass.range(first, kt_end, unroll=1):
+            state = self.produce(pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles, state, bx, by, first, kt_end)
+            pipe.producer_tail(state)
+
+        @cute.jit
+        def produce(self, pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles, state, bx, by, kt_begin, kt_end):
+            """Load k-tiles ``kt_begin..kt_end`` of tile ``(bx, by)``; returns the advanced state."""
+            for kt in cutlass.range(kt_begin, kt_end, unroll=1):
                 pipe.producer_acquire(state)
                 self.load_weights(pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt)
                 cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, state.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(state))
                 pipe.producer_commit(state)
                 state.advance()
-            pipe.producer_tail(state)
+            return state
 
         @cute.jit
         def load_weights(self, pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt):
@@ -583,11 +635,12 @@ def _kernel_class():
                     bulk_g2s(dst, src, TILE_BYTES, bar.toint())
 
         @cute.jit
-        def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, kt_begin, kt_end,
+        def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, n_bx, n_tiles, kt_begin, kt_end,
                      mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows):
+            """One consumer warpgroup: per output tile (a persistent CTA's tiles in turn), the
+            mainloop over k-tiles ``kt_begin..kt_end`` and the epilogue."""
             cfg = self.cfg
             ct = tidx % 128
-            rb = bx * self.wgs + wg  # 64-row block of the weight
             thr_mma = tiled_mma.get_slice(ct)
             tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, BK)))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
@@ -603,17 +656,31 @@ def _kernel_class():
                                       cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
             rc = cute.make_rmem_tensor((4, 2), Uint32)
             rs = cute.make_rmem_tensor((4,), Uint32)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            ops = (pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, ct, thr_mma, storage, tidx, wg,
+                   mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows)
+            if cutlass.const_expr(cfg.persistent):
+                grid_x, _, _ = cute.arch.grid_dim()
+                for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
+                    state, release = self.tile(*ops, state, release, t % n_bx, t // n_bx, bz, kt_begin, kt_end)
+            else:
+                self.tile(*ops, state, release, bx, by, bz, kt_begin, kt_end)
+
+        @cute.jit
+        def tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, ct, thr_mma, storage, tidx, wg,
+                 mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows,
+                 state, release, bx, by, bz, kt_begin, kt_end):
+            """One output tile: mainloop, then epilogue; returns the advanced pipeline states."""
+            rb = bx * self.wgs + wg  # 64-row block of the weight
             krows = Uint32(0)
             if cutlass.const_expr(self.w4a8):
                 r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
                 c0 = Int32(W8_EXP_BIAS) - mExp[r0]
                 c1 = Int32(W8_EXP_BIAS) - mExp[r0 + 8]
                 krows = (Uint32(c0) << 10) | (Uint32(c1) << 26)
-
             acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
 
             # No dynamic branch may sit between WGMMAs (ptxas would serialize them), hence the first
             # stage, which has no previous stage to release, is peeled.
@@ -624,9 +691,11 @@ def _kernel_class():
                     state, release = self.k_tile(*ops, state, release, True)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(release)
+                release.advance()
 
             self.epilogue(acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias, mRes,
                           ws_ptr, cnt_ptr, m, n_out, n_rows)
+            return state, release
 
         @cute.jit
         def k_tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct, state, release,
@@ -719,17 +788,6 @@ def _kernel_class():
                 self.store(acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                            m, n_out, n_rows)
 
-        def staging(self):
-            """Output staging through the pipeline's shared memory (free once every warpgroup's
-            mainloop is done): per pass, each warpgroup's ``[tokens, 64]`` FP32 tile with rows
-            padded to ``STAGE_ROW`` floats (conflict-free fragment writes, 16-byte row reads).
-            Returns (tokens per pass, passes): the fewest passes whose tiles fit."""
-            room = self.cfg.stages * stage_bytes(self.cfg.bn, self.wgs, self.w4a8)
-            tokens = self.cfg.bn
-            while self.wgs * tokens * STAGE_ROW * 4 > room:
-                tokens //= 2
-            return tokens, self.cfg.bn // tokens
-
         @cute.jit
         def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                   m, n_out, n_rows):
@@ -783,13 +841,17 @@ def _kernel_class():
                 n_base = bx * SWIGLU_GROUP
                 active = wg == 0
 
-            tokens, passes = self.staging()
-            stage = cute.make_tensor(cute.recast_ptr(storage.wbuf.data_ptr(), dtype=Float32), cute.make_layout(
+            tokens = self.stage_tokens  # per pass (staging_tokens)
+            passes = cfg.bn // tokens
+            base = storage.stage.data_ptr() if cutlass.const_expr(cfg.persistent) else storage.wbuf.data_ptr()
+            stage = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(
                 ((8, 8), tokens, self.wgs), stride=((1, 8), STAGE_ROW, tokens * STAGE_ROW)))  # ((row, row / 8), token, wg)
             out_addr = mOut.iterator.toint()
             aligned = n_out % 8 == 0 and out_addr % 16 == 0
             per_pass = cute.size(acc) // passes
-            epi_bar.arrive_and_wait()  # every warpgroup's mainloop is done: the pipeline memory is free
+            # every warpgroup's mainloop is done (the pipeline memory is free), and in a persistent CTA
+            # every thread has stored the previous tile from the staging memory
+            epi_bar.arrive_and_wait()
             for p in cutlass.range_constexpr(passes):
                 if active:
                     for i in cutlass.range_constexpr(p * per_pass, (p + 1) * per_pass):
@@ -823,20 +885,20 @@ def _kernel_class():
 
 
 def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: bool = False, tvm_ffi: bool = False,
-                 arch: str | None = None, options: str = ""):
+                 num_sms: int = 132, arch: str | None = None, options: str = ""):
     """The compiled kernel for one (config, epilogue, mode, bias dtype), through :mod:`..cache`.
 
     The executor takes data pointers ``(x, tiles, row_exp, x_scale, tensor_scale, out, bias,
     residual, workspace, counters)`` (0 when unused), then ``M, N_pad, N_out, K`` and a
     ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, the stream
-    handle as an int); ``M`` (and N, K) are runtime values."""
+    handle as an int); ``M`` (and N, K) are runtime values; a persistent config launches at most ``num_sms`` CTAs."""
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
     arch = pin_arch(arch)
     from cutlass.cute.runtime import make_fake_stream
 
-    kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32)
-    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32)
+    kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32, num_sms)
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32, num_sms if config.persistent else 0)
     return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
                           BK, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
@@ -854,8 +916,9 @@ def use_gemv(m: int) -> bool:
 def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
           config: Config | None, tvm_ffi: bool):
     """(config, executor) of one WGMMA launch shape, cached: the per-call host path is a dict lookup."""
-    config = config or pick_config(m, n_pad, k, epilogue, w4a8, torch.cuda.get_device_properties(device).multi_processor_count)
-    return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
+    return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi, num_sms=num_sms)
 
 
 def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
