@@ -420,17 +420,9 @@ def candidates(m, n_pad, k, w4a8):
                         out.add(ng.Config(bn, wgs, stages, splits))
     if m > 128:  # persistent CTAs, the output staged beside the two deepest pipelines that leave room
         for cfg in list(out):
-            fits = [s for s in range(cfg.stages, 2, -1) if stage_ok(dataclasses.replace(cfg, stages=s, persistent=True), w4a8)]
-            out.update(dataclasses.replace(cfg, stages=s, persistent=True) for s in fits[:2])
+            deep = [dataclasses.replace(cfg, stages=s, persistent=True) for s in range(cfg.stages, 2, -1)]
+            out.update([c for c in deep if ng.fits(c, Epilogue(), w4a8)][:2])
     return base, sorted(out, key=str)
-
-
-def stage_ok(cfg, w4a8) -> bool:
-    try:
-        cfg.check(Epilogue(), w4a8)
-    except ValueError:
-        return False
-    return True
 
 
 def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES):

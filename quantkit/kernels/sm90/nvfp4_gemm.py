@@ -262,6 +262,15 @@ STAGE_ROW = ROWS + 4  # floats per token row of the output staging tile (+4: no 
 _SMEM_RESERVE = 4096  # barriers and alignment padding beside the pipeline stages
 
 
+def fits(config: Config, epilogue: Epilogue, w4a8: bool) -> bool:
+    """Whether ``config`` can run ``epilogue`` in this mode (passes :meth:`Config.check`)."""
+    try:
+        config.check(epilogue, w4a8)
+    except ValueError:
+        return False
+    return True
+
+
 def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     """Shared memory of one pipeline stage: each warpgroup's weight tile plus the [bn, BK]
     activation tile (FP8 in W4A8, bf16 in W4A16)."""
@@ -300,7 +309,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
       0.5 (64) CTAs per SM and each split keeps at least 4 stages.
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill half
-      (64 tokens) or all of the shared memory."""
+      (64 tokens) or all of the shared memory.
+    * Persistent: the large prefill tiles (W4A8 256 tokens, W4A16 128 tokens, 2 warpgroups) when
+      the grid has more tiles than SMs, at 4 stages (W4A16 beyond 1024 tokens: 5) so the output
+      staging fits beside them."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
@@ -329,6 +341,13 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     else:
         room = _SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
         stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
+    if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
+        # persistent CTAs (H200 sweep, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
+        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room
+        for depth in range(4 if w4a8 or m <= 1024 else 5, 2, -1):
+            cfg = Config(bn, wgs, depth, 1, persistent=True)
+            if fits(cfg, epilogue, w4a8):
+                return cfg
     return Config(bn, wgs, stages, splits)
 
 
