@@ -305,6 +305,48 @@ def run_variants(shapes, fh, ms=(1, 16)):
     return rows
 
 
+def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
+    """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
+    as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, at
+    the other depth (4 <-> 5 stages), for W4A8 (GEMM on quantized activations) and W4A16, beside
+    bf16 ``F.linear``: 3 interleaved rounds."""
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            qw = quantized(n, k, seed=n + k)
+            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+            n_pad = preps[0].row_exp.shape[0]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                xq, xs = nw8.quantize_activation(x)
+                fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
+                for mode in ("w4a8", "w4a16"):
+                    w4a8_mode = mode == "w4a8"
+                    new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
+                    depth = max(s for s in range(3, 9) if ng.fits(ng.Config(new.bn, new.warpgroups, s, 1), Epilogue(), w4a8_mode))
+                    old = ng.Config(new.bn, new.warpgroups, depth, new.splits)
+                    cfgs = [new, old]
+                    if new.persistent:  # and the other persistent depth (4 <-> 5)
+                        other = dataclasses.replace(new, stages=9 - new.stages)
+                        cfgs += [other] if ng.fits(other, Epilogue(), w4a8_mode) else []
+                    for label, cfg in ((f"{mode} {c}", c) for c in cfgs):
+                        if w4a8_mode:
+                            fns[label] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
+                        else:
+                            fns[label] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                times = {label: [] for label in fns}
+                for _ in range(3):
+                    for label, f in fns.items():
+                        times[label].append(graph_median_us(f, reps=9))
+                row = {"shape": f"{name} {n}x{k}", "m": m, "us": times}
+                rows.append(row)
+                log("PAB " + json.dumps(row), fh)
+            del preps, bf16s
+            torch.cuda.empty_cache()
+    return rows
+
+
 GEMV_CHECKED = [gv.GemvConfig(w, 1, st, sp) for w, st, sp in ((4, 4, 1), (4, 2, 2), (8, 2, 3), (8, 3, 4))]
 GEMV_CHECKED += [gv.GemvConfig(8, 1, st, sp, cluster=True, pdl=pdl) for st, sp, pdl in ((3, 2, True), (2, 3, False),
                                                                                          (2, 4, True))]
@@ -542,6 +584,7 @@ def main():
     ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
+    ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -551,6 +594,10 @@ def main():
     if args.floors:
         with open(out / "floors.log", "w") as fh:
             (out / "floors.json").write_text(json.dumps(run_floors(fh), indent=1))
+        return
+    if args.persistent_ab:
+        with open(out / "pab.log", "w") as fh:
+            (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
         return
     if args.gemv_ab:
         with open(out / "ab.log", "w") as fh:

@@ -290,11 +290,14 @@ def test_configs_fit_shared_memory():
 def test_persistent_configs_stage_the_output_beside_the_pipeline():
     """A persistent CTA stages its epilogue in the memory the stages leave (the pipeline is
     already loading the next tile): fewer tokens per pass than the drained pipeline holds."""
-    epi = Epilogue()
-    assert ng.staging_tokens(ng.Config(256, 2, 5, 1), epi, True) == 256  # the drained pipeline: one pass
-    # 227 KiB - 4 KiB reserve - 4 stages x 41984 B = 60416 B; 2 warpgroups x 68 floats x 4 B per token
-    assert ng.staging_tokens(ng.Config(256, 2, 4, 1, persistent=True), epi, True) == 64
-    assert ng.staging_tokens(ng.Config(256, 2, 5, 1, persistent=True), epi, True) == 32
+    epi, res = Epilogue(), Epilogue(residual=True)  # bf16 staging; FP32 (the residual is added after it)
+    assert ng.staging_tokens(ng.Config(256, 2, 5, 1), res, True) == 256  # the drained pipeline: one pass
+    # 227 KiB - 4 KiB reserve - 4 stages x 41984 B = 60416 B; per token 2 warpgroups x 72 halves x 2 B
+    # (bf16) or x 68 floats x 4 B (FP32)
+    assert ng.staging_tokens(ng.Config(256, 2, 4, 1, persistent=True), epi, True) == 128
+    assert ng.staging_tokens(ng.Config(256, 2, 4, 1, persistent=True), res, True) == 64
+    assert ng.staging_tokens(ng.Config(256, 2, 5, 1, persistent=True), epi, True) == 64
+    assert ng.staging_tokens(ng.Config(256, 2, 5, 1, persistent=True), res, True) == 32
     with pytest.raises(ValueError, match="room to stage the output"):
         ng.Config(256, 2, 5, 1, persistent=True).check(Epilogue(activation="swiglu"), w4a8=True)
     with pytest.raises(ValueError, match="no K-split and no PDL"):
@@ -343,7 +346,7 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     def ptx(d):
         return "".join(open(os.path.join(tmp_path, d, f)).read() for f in os.listdir(tmp_path / d) if f.endswith(".ptx"))
 
-    for i, (mode, bn, _wg, splits, _epi, *persistent) in enumerate(COMPILE_CASES):
+    for i, (mode, bn, _wg, splits, epi, *persistent) in enumerate(COMPILE_CASES):
         text = ptx(str(i))
         assert ".target sm_90a" in text
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
@@ -351,8 +354,11 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0 and not persistent)  # PDL variant
-        # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory
-        assert "cvt.rn.bf16x2.f32" in text and "st.global.v4.b32" in text and "ld.local" not in text
+        # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory; staged
+        # as FP32 (rounded after the residual add) or, without a residual, as the bf16 outputs
+        assert "st.global.v4.b32" in text and "ld.local" not in text
+        assert ("cvt.rn.bf16x2.f32" in text) == epi.residual
+        assert ("st.shared.b16" in text) == (not epi.residual)
     quant = ptx("act_quant")
     # one IEEE division (the scale), then per element a correctly rounded reciprocal-and-FMA quotient
     assert quant.count("div.rn.f32") == 1 and "rcp.rn.f32" in quant and "copysign.f32" in quant

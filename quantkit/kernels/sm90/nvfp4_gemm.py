@@ -258,7 +258,8 @@ class Config:
 
 
 _SMEM = 227 * 1024  # per CTA (sm90 opt-in maximum)
-STAGE_ROW = ROWS + 4  # floats per token row of the output staging tile (+4: no bank conflicts)
+STAGE_ROW = ROWS + 4  # floats per token row of the FP32 output staging tile (+4: no bank conflicts)
+STAGE_ROW16 = ROWS + 8  # halves per token row of the bf16 staging tile (16-byte rows, no bank conflicts)
 _SMEM_RESERVE = 4096  # barriers and alignment padding beside the pipeline stages
 
 
@@ -282,15 +283,22 @@ def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
     return 128 * (bn // 2) * 4 if epilogue.activation == "swiglu" else 0
 
 
+def staging_row_bytes(epilogue: Epilogue) -> int:
+    """Bytes per token of a warpgroup's ``[tokens, 64]`` output staging tile: bf16 outputs (rows of
+    ``STAGE_ROW16`` halves), or FP32 (``STAGE_ROW`` floats) where the residual is added after
+    staging, so the output is still rounded once."""
+    return STAGE_ROW * 4 if epilogue.residual else STAGE_ROW16 * 2
+
+
 def staging_tokens(config: Config, epilogue: Epilogue, w4a8: bool) -> int:
-    """Tokens per pass of the epilogue's output staging tile (each warpgroup's ``[tokens, 64]`` FP32
-    tile, rows padded to ``STAGE_ROW`` floats): the most (a power of two, at most ``bn``) that fit
-    the drained pipeline's shared memory, or in a persistent kernel the memory the stages and the
-    SwiGLU exchange leave (the pipeline is then already filling for the next tile)."""
+    """Tokens per pass of the epilogue's output staging tile (:func:`staging_row_bytes` per token
+    and warpgroup): the most (a power of two, at most ``bn``) that fit the drained pipeline's
+    shared memory, or in a persistent kernel the memory the stages and the SwiGLU exchange leave
+    (the pipeline is then already filling for the next tile)."""
     pipe = config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
     room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config.bn, epilogue) if config.persistent else pipe
     tokens = config.bn
-    while tokens and config.warpgroups * tokens * STAGE_ROW * 4 > room:
+    while tokens and config.warpgroups * tokens * staging_row_bytes(epilogue) > room:
         tokens //= 2
     return tokens
 
@@ -462,6 +470,13 @@ def _kernel_class():
             "l,f,f,f,f,f,f,f,f", has_side_effects=True, loc=loc, ip=ip)
 
     @dsl_user_op
+    def st_global_b32x4(addr, words, *, loc=None, ip=None):
+        """One 16-byte global store at ``addr`` of 4 32-bit words, in order."""
+        llvm.inline_asm(
+            None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+            "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True, loc=loc, ip=ip)
+
+    @dsl_user_op
     def pow2(e, *, loc=None, ip=None):
         """FP32 ``2^e`` for an integer ``e`` in [-126, 127] (exact: built from the exponent bits)."""
         bits = (Int32(e) + 127) << 23
@@ -526,8 +541,8 @@ def _kernel_class():
                 wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
                 sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
                 xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
-                stage: cute.struct.Align[cute.struct.MemRange[
-                    Float32, self.wgs * self.stage_tokens * STAGE_ROW if cfg.persistent else 4], 16]
+                stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
+                    self.epi) if cfg.persistent else 16], 16]
 
             self.shared_storage = SharedStorage
             n_bx = n_pad // (ROWS * self.wgs)
@@ -863,8 +878,10 @@ def _kernel_class():
             tokens = self.stage_tokens  # per pass (staging_tokens)
             passes = cfg.bn // tokens
             base = storage.stage.data_ptr() if cutlass.const_expr(cfg.persistent) else storage.wbuf.data_ptr()
-            stage = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(
-                ((8, 8), tokens, self.wgs), stride=((1, 8), STAGE_ROW, tokens * STAGE_ROW)))  # ((row, row / 8), token, wg)
+            # FP32 where the residual is added after staging, else the bf16 outputs themselves
+            stage_dtype, row = (Float32, STAGE_ROW) if self.epi.residual else (cutlass.BFloat16, STAGE_ROW16)
+            stage = cute.make_tensor(cute.recast_ptr(base, dtype=stage_dtype), cute.make_layout(
+                ((8, 8), tokens, self.wgs), stride=((1, 8), row, tokens * row)))  # ((row, row / 8), token, wg)
             out_addr = mOut.iterator.toint()
             aligned = n_out % 8 == 0 and out_addr % 16 == 0
             per_pass = cute.size(acc) // passes
@@ -875,7 +892,7 @@ def _kernel_class():
                 if active:
                     for i in cutlass.range_constexpr(p * per_pass, (p + 1) * per_pass):
                         rr, cc = coord[i]
-                        stage[(rr % 8, rr // 8), cc - p * tokens, wg] = acc[i]
+                        stage[(rr % 8, rr // 8), cc - p * tokens, wg] = acc[i].to(stage_dtype)
                 epi_bar.arrive_and_wait()
                 if active:
                     for c in cutlass.range_constexpr(-(-tokens * 8 // 128)):
@@ -884,15 +901,20 @@ def _kernel_class():
                         mm = tok0 + p * tokens + tok_s
                         nn = n_base + 8 * (chunk % 8)
                         if chunk < tokens * 8 and mm < m and nn < n_out:
-                            row8 = cute.make_rmem_tensor((8,), Float32)
+                            row8 = cute.make_rmem_tensor((8,), stage_dtype)
                             cute.autovec_copy(stage[(None, chunk % 8), tok_s, wg], row8)
                             full = nn + 8 <= n_out
+                            addr = out_addr + (Int64(mm) * n_out + nn) * 2
                             if cutlass.const_expr(self.epi.residual):
                                 for e in cutlass.range_constexpr(8):
                                     if full or nn + e < n_out:
                                         row8[e] = row8[e] + mRes[mm, nn + e].to(Float32)
                             if aligned and full:
-                                st_global_bf16x8(out_addr + (Int64(mm) * n_out + nn) * 2, [row8[e] for e in range(8)])
+                                if cutlass.const_expr(self.epi.residual):
+                                    st_global_bf16x8(addr, [row8[e] for e in range(8)])
+                                else:
+                                    words = cute.recast_tensor(row8, Uint32)
+                                    st_global_b32x4(addr, [words[e] for e in range(4)])
                             else:
                                 for e in cutlass.range_constexpr(8):
                                     if nn + e < n_out:
