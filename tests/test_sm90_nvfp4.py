@@ -22,6 +22,7 @@ from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
 from quantkit.formats import w4a8
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up
 from quantkit.kernels.sm90 import nvfp4_gemm as ng
+from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
 
 # Non-negative E4M3 values in increasing order; the index parity is the mantissa parity.
 E4M3_GRID = torch.tensor([2.0 ** -9 * m for m in range(8)]
@@ -276,9 +277,9 @@ def test_configs_fit_shared_memory():
     """Every picked config fits the 227 KiB CTA limit; a W4A8 config with a bf16 (W4A16) tile does not."""
     for m in (1, 5, 16, 33, 64, 100, 257, 4096):
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
-            for w4a8 in (False, True):
+            for fp8_acts in (False, True):
                 for epi in (Epilogue(), Epilogue(activation="swiglu")):
-                    ng.pick_config(m, n, k, epi, w4a8).check(epi, w4a8)
+                    ng.pick_config(m, n, k, epi, fp8_acts).check(epi, fp8_acts)
     ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=True)
     with pytest.raises(ValueError, match="needs 377856 bytes of shared memory in W4A16 mode"):
         ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=False)
@@ -335,9 +336,10 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
             cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0 and not persistent, batched=bn <= 16, persistent=persistent)
             ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
-        d = os.path.join({str(tmp_path)!r}, "act_quant")
-        os.makedirs(d)
-        nw8.compile_act_quant(arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+        for held in nw8.HELD:
+            d = os.path.join({str(tmp_path)!r}, f"act_quant{{held}}")
+            os.makedirs(d)
+            nw8.compile_act_quant(held, arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
     """)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
@@ -359,10 +361,13 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert "st.global.v4.b32" in text and "ld.local" not in text
         assert ("cvt.rn.bf16x2.f32" in text) == epi.residual
         assert ("st.shared.b16" in text) == (not epi.residual)
-    quant = ptx("act_quant")
-    # one IEEE division (the scale), then per element a correctly rounded reciprocal-and-FMA quotient
-    assert quant.count("div.rn.f32") == 1 and "rcp.rn.f32" in quant and "copysign.f32" in quant
-    assert "cvt.rn.satfinite.e4m3x2.f32" in quant
+    for held in nw8.HELD:
+        quant = ptx(f"act_quant{held}")
+        # one IEEE division (the scale), then per element a correctly rounded reciprocal-and-FMA quotient
+        assert quant.count("div.rn.f32") == 1 and "rcp.rn.f32" in quant and "copysign.f32" in quant
+        assert "cvt.rn.satfinite.e4m3x2.f32" in quant
+        # the held row: `held` groups of two 16-byte loads in the first pass, then the long-row loop's two
+        assert quant.count("ld.global.v4") == 2 * held + 4 and "ld.local" not in quant, held
 
 
 GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
@@ -467,8 +472,6 @@ def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
     res = torch.randn(m, n_out, device=dev).to(torch.bfloat16) if epi.residual else None
     # out_offset elements in: an output buffer that is contiguous but not 16-byte aligned
     out = torch.full((m * n_out + out_offset,), float("nan"), dtype=torch.bfloat16, device=dev)[out_offset:].view(m, n_out)
-    from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
-
     fn = nw8.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
     fn(x, prep, epi, bias, res, config=config, out=out)
     if mode == "w4a8":
@@ -490,20 +493,19 @@ def test_gpu_matches_float64_reference(mode, m):
 
 
 @pytest.mark.gpu
-def test_gpu_act_quant_is_bit_exact():
-    from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
-
+@pytest.mark.parametrize("k", [1040, 14336, 28672, 40960])  # rows held in 2 / 4 / 8 groups per thread; read twice
+def test_gpu_act_quant_is_bit_exact(k):
     torch.manual_seed(8)
-    x = (torch.randn(33, 14336, device="cuda") * torch.logspace(-3, 3, 14336, device="cuda")).to(torch.bfloat16)
+    x = (torch.randn(33, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).to(torch.bfloat16)
     x[0] = 0
     # the kernel's branch-free division: bf16 subnormals (a subnormal scale; signed zeros), zeros
     # among values, 60 octaves in one row
-    x[1] = (torch.randn(14336, device="cuda") * 2.0**-130).to(torch.bfloat16)
+    x[1] = (torch.randn(k, device="cuda") * 2.0**-130).to(torch.bfloat16)
     x[2, ::3] = 0
-    x[3] = (torch.randn(14336, device="cuda") * torch.exp2(torch.randint(-30, 30, (14336,), device="cuda").float()))
+    x[3] = (torch.randn(k, device="cuda") * torch.exp2(torch.randint(-30, 30, (k,), device="cuda").float()))
     xq, s = nw8.quantize_activation(x)
     # reference on the CPU (CUDA torch divides by a Python scalar as a multiply by its reciprocal)
-    rq, rs = w4a8.quantize_activation(x.cpu()[:, ng.w4a8_k_permutation(14336)])
+    rq, rs = w4a8.quantize_activation(x.cpu()[:, ng.w4a8_k_permutation(k)])
     assert torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
 
 

@@ -4,8 +4,9 @@ format's op (:func:`nvfp4_w4a8_format_op`) picks W4A8 or W4A16 per call by
 :func:`quantkit.formats.w4a8.use_w4a8`, inside the op: one graph for every M under
 ``torch.compile``.
 
-The quantization kernel reads each row of ``x`` twice (amax, then the values, the second time
-from L2), and writes ``xq`` with K permuted within every 16 columns (:func:`.nvfp4_gemm.
+The quantization kernel (one CTA per row) loads the row once into registers (rows up to
+``THREADS * GROUP * 8`` = 32768 columns; longer ones are read twice, the second time from L2),
+takes its amax, and writes ``xq`` with K permuted within every 16 columns (:func:`.nvfp4_gemm.
 w4a8_k_permutation`) so the GEMM's FP8 fragment slots see the columns its weight bytes hold:
 ``s[m] = amax/448`` (1 for an all-zero row), ``xq = e4m3(x / s)`` with a correctly rounded FP32
 division (one reciprocal per row and two FMAs per element, :func:`.act_quant.div_rn`) and a
@@ -25,6 +26,7 @@ from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_ge
 
 THREADS = 256
 GROUP = 16  # columns one thread converts at a time: one permuted 16-byte store
+HELD = (2, 4, 8)  # groups per thread kept in registers between the passes (compiled variants; rows up to K = 32768)
 
 _lock = threading.Lock()
 _KERNEL = None
@@ -49,7 +51,12 @@ def _build_act_quant():
             "=r,f,f", has_side_effects=False, loc=loc, ip=ip))
 
     class ActQuantW4A8:
-        """One CTA per row: amax (block reduction), then 16-column groups -> 16 permuted bytes."""
+        """One CTA per row: amax (block reduction), then 16-column groups -> 16 permuted bytes; each
+        thread holds up to ``held`` groups in registers between the two (fewer registers, more CTAs
+        per SM for short rows)."""
+
+        def __init__(self, held: int):
+            self.held = held
 
         @cute.jit
         def __call__(self, x_ptr: Int64, q_ptr: Int64, s_ptr: Int64, m: Int32, k: Int32, stream):
@@ -59,19 +66,26 @@ def _build_act_quant():
 
         @cute.kernel
         def kernel(self, x_ptr: Int64, q_ptr: Int64, mS: cute.Tensor, k: Int32):
-            gmem = cute.AddressSpace.gmem
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             groups = k // GROUP
             smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
             vals = cute.make_rmem_tensor(GROUP, cutlass.BFloat16)
+            held = cute.make_rmem_tensor((GROUP, self.held), cutlass.BFloat16)
+            in_regs = groups <= THREADS * self.held
             amax = Float32(0.0)
-            for g in cutlass.range(tidx, groups, THREADS, unroll=1):
-                self.load(x_ptr, row, k, g, vals)
-                for i in cutlass.range_constexpr(GROUP):
-                    v = vals[i].to(Float32)
-                    amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            if in_regs:  # every load of the row in flight at once, kept for the second pass
+                for j in cutlass.range_constexpr(self.held):
+                    if tidx + j * THREADS < groups:
+                        self.load(x_ptr, row, k, tidx + j * THREADS, held[None, j])
+                for j in cutlass.range_constexpr(self.held):
+                    if tidx + j * THREADS < groups:
+                        amax = self.group_amax(held[None, j], amax)
+            else:
+                for g in cutlass.range(tidx, groups, THREADS, unroll=1):
+                    self.load(x_ptr, row, k, g, vals)
+                    amax = self.group_amax(vals, amax)
             for off in cutlass.range_constexpr(5):
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
             if tidx % 32 == 0:
@@ -85,18 +99,36 @@ def _build_act_quant():
                 scale = Float32(1.0)
             if tidx == 0:
                 mS[row] = scale
-            lift, div, inv = lifted_divisor(scale)
+            divisor = lifted_divisor(scale)
+            if in_regs:
+                for j in cutlass.range_constexpr(self.held):
+                    if tidx + j * THREADS < groups:
+                        self.store(q_ptr, row, k, tidx + j * THREADS, held[None, j], divisor)
+            else:  # the second pass re-reads the row (from L2)
+                for g in cutlass.range(tidx, groups, THREADS, unroll=1):
+                    self.load(x_ptr, row, k, g, vals)
+                    self.store(q_ptr, row, k, g, vals, divisor)
+
+        @cute.jit
+        def group_amax(self, vals, amax):
+            """``max(amax, |vals|)`` over one group."""
+            for i in cutlass.range_constexpr(GROUP):
+                v = vals[i].to(Float32)
+                amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            return amax
+
+        @cute.jit
+        def store(self, q_ptr, row, k, g, vals, divisor):
+            """Group ``g`` of row ``row`` divided by the row scale (``divisor``: :func:`lifted_divisor`),
+            as 16 E4M3 bytes in permuted order, one 16-byte store."""
+            lift, div, inv = divisor
             words = cute.make_rmem_tensor(4, Uint32)
-            for g in cutlass.range(tidx, groups, THREADS, unroll=1):
-                self.load(x_ptr, row, k, g, vals)
-                for c in cutlass.range_constexpr(4):  # byte 4c + j <- column (2c, 2c+1, 2c+8, 2c+9)[j]
-                    q = [div_rn(vals[i].to(Float32) * lift, div, inv) for i in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
-                    lo = e4m3x2(q[0], q[1])
-                    hi = e4m3x2(q[2], q[3])
-                    words[c] = lo | (hi << 16)
-                dst = q_ptr + Int64(row) * k + g * GROUP
-                cute.autovec_copy(words, cute.make_tensor(cute.make_ptr(Uint32, dst, gmem, assumed_align=16),
-                                                          cute.make_layout(4)))
+            for c in cutlass.range_constexpr(4):  # byte 4c + j <- column (2c, 2c+1, 2c+8, 2c+9)[j]
+                q = [div_rn(vals[i].to(Float32) * lift, div, inv) for i in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
+                words[c] = e4m3x2(q[0], q[1]) | (e4m3x2(q[2], q[3]) << 16)
+            dst = q_ptr + Int64(row) * k + g * GROUP
+            cute.autovec_copy(words, cute.make_tensor(cute.make_ptr(Uint32, dst, cute.AddressSpace.gmem, assumed_align=16),
+                                                      cute.make_layout(4)))
 
         @cute.jit
         def load(self, x_ptr, row, k, g, vals):
@@ -108,10 +140,18 @@ def _build_act_quant():
     return ActQuantW4A8
 
 
-def compile_act_quant(tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
-    """The compiled activation-quantization kernel (through :mod:`..cache`). Its executor takes
-    data pointers ``(x bf16 [M, K], xq [M, K] E4M3, s FP32 [M])``, ``M``, ``K`` and a stream (a
-    ``cuda.CUstream``; with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, an int)."""
+def held_groups(k: int) -> int:
+    """The :data:`HELD` variant for rows of ``k`` columns: the fewest groups per thread that hold
+    the row (the largest for rows longer than that; they are read twice)."""
+    per_thread = -(-k // (GROUP * THREADS))
+    return next((h for h in HELD if per_thread <= h), HELD[-1])
+
+
+def compile_act_quant(held: int = HELD[-1], tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
+    """The compiled activation-quantization kernel holding up to ``held`` groups per thread
+    (through :mod:`..cache`). Its executor takes data pointers ``(x bf16 [M, K], xq [M, K] E4M3,
+    s FP32 [M])``, ``M``, ``K`` and a stream (a ``cuda.CUstream``; with ``tvm_ffi``, CuTeDSL's
+    apache-tvm-ffi calling convention, an int)."""
     global _KERNEL
     from quantkit.kernels.cache import compile_kernel, pin_arch
 
@@ -121,14 +161,14 @@ def compile_act_quant(tvm_ffi: bool = False, arch: str | None = None, options: s
     with _lock:
         if _KERNEL is None:
             _KERNEL = _build_act_quant()
-    return compile_kernel(("sm90.nvfp4_w4a8.act_quant",), _KERNEL(), 0, 0, 0, 1, 128, make_fake_stream(),
+    return compile_kernel(("sm90.nvfp4_w4a8.act_quant", held), _KERNEL(held), 0, 0, 0, 1, 128, make_fake_stream(),
                           arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 @functools.lru_cache(maxsize=None)
-def _executor(tvm_ffi: bool):
+def _executor(held: int, tvm_ffi: bool):
     """:func:`compile_act_quant`'s executor, cached: the per-call host path is a dict lookup."""
-    return compile_act_quant(tvm_ffi)
+    return compile_act_quant(held, tvm_ffi)
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +183,8 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         tvm_ffi = use_tvm_ffi()
-        _executor(tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, launch_stream(x.device, tvm_ffi))
+        _executor(held_groups(k), tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k,
+                                           launch_stream(x.device, tvm_ffi))
     return xq, s
 
 
