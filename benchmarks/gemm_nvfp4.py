@@ -347,6 +347,29 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     return rows
 
 
+def run_act_quant_sweep(fh, ms=(256, 1024, 2048, 4096, 8192), ks=(4096, 8192, 14336, 28672)):
+    """W4A8 activation quantization: each held-groups variant (``nvfp4_w4a8.HELD``; a variant that
+    cannot hold the row reads it twice) at every (M, K), 3 interleaved rounds."""
+    rows = []
+    tvm = kcache.use_tvm_ffi()
+    for k in ks:
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.empty(m, dtype=torch.float32, device="cuda")
+            stream = kcache.launch_stream(x.device, tvm)
+            fns = {h: [lambda h=h: nw8._executor(h, tvm)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, stream)]
+                   for h in nw8.HELD}
+            times = {h: [] for h in fns}
+            for _ in range(3):
+                for h, f in fns.items():
+                    times[h].append(graph_median_us(f, reps=15))
+            row = {"m": m, "k": k, "default": nw8.held_groups(k), "us": times}
+            rows.append(row)
+            log("AQ " + json.dumps(row), fh)
+    return rows
+
+
 GEMV_CHECKED = [gv.GemvConfig(w, 1, st, sp) for w, st, sp in ((4, 4, 1), (4, 2, 2), (8, 2, 3), (8, 3, 4))]
 GEMV_CHECKED += [gv.GemvConfig(8, 1, st, sp, cluster=True, pdl=pdl) for st, sp, pdl in ((3, 2, True), (2, 3, False),
                                                                                          (2, 4, True))]
@@ -585,6 +608,7 @@ def main():
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
+    ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -594,6 +618,10 @@ def main():
     if args.floors:
         with open(out / "floors.log", "w") as fh:
             (out / "floors.json").write_text(json.dumps(run_floors(fh), indent=1))
+        return
+    if args.act_quant_sweep:
+        with open(out / "aq.log", "w") as fh:
+            (out / "aq.json").write_text(json.dumps(run_act_quant_sweep(fh), indent=1))
         return
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:

@@ -26,7 +26,7 @@ from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_ge
 
 THREADS = 256
 GROUP = 16  # columns one thread converts at a time: one permuted 16-byte store
-HELD = (2, 4, 8)  # groups per thread kept in registers between the passes (compiled variants; rows up to K = 32768)
+HELD = (1, 2, 4, 8)  # groups per thread kept in registers between the passes (compiled variants; rows up to K = 32768)
 
 _lock = threading.Lock()
 _KERNEL = None
