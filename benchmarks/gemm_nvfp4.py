@@ -357,8 +357,8 @@ def run_act_quant_sweep(fh, ms=(256, 1024, 2048, 4096, 8192), ks=(4096, 8192, 14
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
             s = torch.empty(m, dtype=torch.float32, device="cuda")
-            stream = kcache.launch_stream(x.device, tvm)
-            fns = {h: [lambda h=h: nw8._executor(h, tvm)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k, stream)]
+            fns = {h: [lambda h=h: nw8._executor(h, tvm)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k,
+                                                          kcache.launch_stream(x.device, tvm))]  # the capture stream
                    for h in nw8.HELD}
             times = {h: [] for h in fns}
             for _ in range(3):
