@@ -239,9 +239,6 @@ class Config:
     # One CTA per SM looping over the output tiles: the producer loads the next tile's first stages
     # while the consumers run the epilogue, staged in its own shared memory (no K-split, no PDL).
     persistent: bool = False
-    # Two sets of A-fragment registers, by stage parity, in the tiles with registers to spare (2
-    # warpgroups, >= 128 tokens; not batched): no WGMMA wait before each k-block's decode.
-    frag_sets_2: bool = True
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
@@ -502,10 +499,6 @@ def _kernel_class():
             self.producer_warp = 4 * self.wgs
             self.threads = 128 * (self.wgs + 1)
             self.rebalance = self.wgs == 2 and config.bn >= 128
-            # Two sets of A-fragment registers, by stage parity, where registers allow (the rebalanced
-            # large tiles): a k-block's decode then overwrites registers the WGMMA of two stages back read,
-            # already retired at the previous stage's one wait, instead of waiting for the WGMMA mma_k back.
-            self.frag_sets = 2 if config.frag_sets_2 and self.rebalance and not config.batched else 1
             self.stage_tokens = staging_tokens(config, epilogue, w4a8)
 
         @cute.jit
@@ -683,10 +676,10 @@ def _kernel_class():
             cfg = self.cfg
             ct = tidx % 128
             thr_mma = tiled_mma.get_slice(ct)
-            tCrA = tuple(tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, BK))) for _ in range(self.frag_sets))
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, BK)))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.bn)), Float32)
-            frag = tuple(cute.recast_tensor(a, Uint32) for a in tCrA)
+            frag = cute.recast_tensor(tCrA, Uint32)
             # this warpgroup's tiles in smem, as 32-bit words: codes (4, 2, 128, stage), scales (4, 32, stage)
             words = cute.recast_ptr(wbuf, dtype=Uint32)
             tile_words = TILE_BYTES // 4
@@ -724,21 +717,12 @@ def _kernel_class():
             acc.fill(0.0)
 
             # No dynamic branch may sit between WGMMAs (ptxas would serialize them), hence the first
-            # stage, which has no previous stage to release, is peeled (and with two fragment sets the
-            # loop runs stage pairs, the odd one out after it).
+            # stage, which has no previous stage to release, is peeled.
             ops = (pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct)
             if kt_end > kt_begin:
-                state, release = self.k_tile(*ops, state, release, False, 0)
-                if cutlass.const_expr(self.frag_sets == 2):
-                    rest = kt_end - kt_begin - 1
-                    for _pair in cutlass.range(rest // 2, unroll=1):
-                        state, release = self.k_tile(*ops, state, release, True, 1)
-                        state, release = self.k_tile(*ops, state, release, True, 0)
-                    if rest % 2 == 1:
-                        state, release = self.k_tile(*ops, state, release, True, 1)
-                else:
-                    for _kt in cutlass.range(kt_begin + 1, kt_end, unroll=1):
-                        state, release = self.k_tile(*ops, state, release, True, 0)
+                state, release = self.k_tile(*ops, state, release, False)
+                for _kt in cutlass.range(kt_begin + 1, kt_end, unroll=1):
+                    state, release = self.k_tile(*ops, state, release, True)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(release)
                 release.advance()
@@ -749,10 +733,8 @@ def _kernel_class():
 
         @cute.jit
         def k_tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct, state, release,
-                   release_previous: cutlass.Constexpr[bool], parity: cutlass.Constexpr[int]):
-            """Decode and multiply one pipeline stage (BK of K) through fragment set ``parity``; returns
-            the advanced states."""
-            tCrA, frag = tCrA[parity], frag[parity]
+                   release_previous: cutlass.Constexpr[bool]):
+            """Decode and multiply one pipeline stage (BK of K); returns the advanced states."""
             pipe.consumer_wait(state)
             stage = state.index
             for h in cutlass.range_constexpr(2):
@@ -772,10 +754,8 @@ def _kernel_class():
                 warpgroup.commit_group()
             else:
                 for b in cutlass.range_constexpr(self.mma_k):
-                    # one set: the registers of k-block b were last read by the WGMMA mma_k groups back;
-                    # two: by one two stages back, retired by the previous stage's wait (its last block)
-                    if cutlass.const_expr(self.frag_sets == 1 or b == self.mma_k - 1):
-                        warpgroup.wait_group(self.mma_k - 1)
+                    # the registers of k-block b were last read by the WGMMA mma_k groups back
+                    warpgroup.wait_group(self.mma_k - 1)
                     if cutlass.const_expr(release_previous and b == self.mma_k - 1):
                         pipe.consumer_release(release)  # every WGMMA of the previous stage has retired
                         release.advance()
