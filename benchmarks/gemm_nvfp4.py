@@ -307,9 +307,9 @@ def run_variants(shapes, fh, ms=(1, 16)):
 
 def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
-    as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, at
-    the other depth (4 <-> 5 stages), for W4A8 (GEMM on quantized activations) and W4A16, beside
-    bf16 ``F.linear``: 3 interleaved rounds."""
+    as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in
+    the other tile order (token tiles or weight row blocks fastest), for W4A8 (GEMM on quantized
+    activations) and W4A16, beside bf16 ``F.linear``: 3 interleaved rounds."""
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
@@ -327,9 +327,8 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                     depth = max(s for s in range(3, 9) if ng.fits(ng.Config(new.bn, new.warpgroups, s, 1), Epilogue(), w4a8_mode))
                     old = ng.Config(new.bn, new.warpgroups, depth, new.splits)
                     cfgs = [new, old]
-                    if new.persistent:  # and the other persistent depth (4 <-> 5)
-                        other = dataclasses.replace(new, stages=9 - new.stages)
-                        cfgs += [other] if ng.fits(other, Epilogue(), w4a8_mode) else []
+                    if new.persistent:  # and the other tile order
+                        cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
                     for label, cfg in ((f"{mode} {c}", c) for c in cfgs):
                         if w4a8_mode:
                             fns[label] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]

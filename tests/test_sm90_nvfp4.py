@@ -303,6 +303,8 @@ def test_persistent_configs_stage_the_output_beside_the_pipeline():
         ng.Config(256, 2, 5, 1, persistent=True).check(Epilogue(activation="swiglu"), w4a8=True)
     with pytest.raises(ValueError, match="no K-split and no PDL"):
         ng.Config(64, 1, 4, 2, persistent=True).check(epi, w4a8=False)
+    with pytest.raises(ValueError, match="tile order: persistent only"):
+        ng.Config(128, 2, 5, 1, tokens_fastest=True).check(epi, w4a8=False)
 
 
 # ----------------------------------------------------------------------------- compile-only
@@ -544,6 +546,8 @@ PERSISTENT_CASES = [  # (mode, config, epilogue): every persistent CTA runs 2-8 
     ("w4a8", ng.Config(128, 2, 3, 1, persistent=True), Epilogue(activation="swiglu", bias=True)),
     ("w4a16", ng.Config(128, 2, 4, 1, persistent=True), Epilogue(bias=True, residual=True)),
     ("w4a16", ng.Config(128, 1, 6, 1, persistent=True), Epilogue()),
+    ("w4a8", ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True), Epilogue(bias=True)),
+    ("w4a16", ng.Config(128, 2, 5, 1, persistent=True, tokens_fastest=True), Epilogue(residual=True)),
 ]
 
 

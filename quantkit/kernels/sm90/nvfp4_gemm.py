@@ -239,13 +239,14 @@ class Config:
     # One CTA per SM looping over the output tiles: the producer loads the next tile's first stages
     # while the consumers run the epilogue, staged in its own shared memory (no K-split, no PDL).
     persistent: bool = False
+    tokens_fastest: bool = False  # persistent tile order: token tiles fastest (default: weight row blocks)
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
         if self.bn not in (8, 16, 32, 64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
             raise ValueError(f"unsupported config {self}")
-        if self.persistent and (self.splits > 1 or self.pdl):
-            raise ValueError(f"{self}: a persistent config has no K-split and no PDL")
+        if (self.persistent and (self.splits > 1 or self.pdl)) or (self.tokens_fastest and not self.persistent):
+            raise ValueError(f"{self}: a persistent config has no K-split and no PDL (tile order: persistent only)")
         need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self.bn, epilogue)
         if need > _SMEM or staging_tokens(self, epilogue, w4a8) < 8:
             raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode"
@@ -619,10 +620,19 @@ def _kernel_class():
             if cutlass.const_expr(cfg.persistent):
                 grid_x, _, _ = cute.arch.grid_dim()
                 for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
-                    state = self.produce(*loads, state, t % n_bx, t // n_bx, 0, k_tiles)
+                    bx_t, by_t = self.tile_coords(t, n_bx, n_tiles)
+                    state = self.produce(*loads, state, bx_t, by_t, 0, k_tiles)
                 pipe.producer_tail(state)
             else:
                 self.produce_tile(*loads, state, bx, by, kt_begin, kt_end)
+
+        @cute.jit
+        def tile_coords(self, t, n_bx, n_tiles):
+            """(weight row block, token tile) of a persistent CTA's tile ``t``."""
+            if cutlass.const_expr(self.cfg.tokens_fastest):
+                n_by = n_tiles // n_bx
+                return t // n_by, t % n_by
+            return t % n_bx, t // n_bx
 
         @cute.jit
         def produce_tile(self, pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles, state, bx, by, kt_begin, kt_end):
@@ -698,7 +708,8 @@ def _kernel_class():
             if cutlass.const_expr(cfg.persistent):
                 grid_x, _, _ = cute.arch.grid_dim()
                 for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
-                    state, release = self.tile(*ops, state, release, t % n_bx, t // n_bx, bz, kt_begin, kt_end)
+                    bx_t, by_t = self.tile_coords(t, n_bx, n_tiles)
+                    state, release = self.tile(*ops, state, release, bx_t, by_t, bz, kt_begin, kt_end)
             else:
                 self.tile(*ops, state, release, bx, by, bz, kt_begin, kt_end)
 
