@@ -250,7 +250,7 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
     assert big.bn == 256 and big.splits == 1
     # persistent where the grid has more tiles than SMs, at the depth the session-13 sweep chose
-    assert (big.persistent, big.stages) == (True, 4)
+    assert (big.persistent, big.stages, big.tokens_fastest) == (True, 4, True)
     assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1, persistent=True)
     assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 4, 1, persistent=True)
     assert not ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True).persistent  # 128 tiles: one wave

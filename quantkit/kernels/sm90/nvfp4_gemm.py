@@ -321,7 +321,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       (64 tokens) or all of the shared memory.
     * Persistent: the large prefill tiles (W4A8 256 tokens, W4A16 128 tokens, 2 warpgroups) when
       the grid has more tiles than SMs, at 4 stages (W4A16 beyond 1024 tokens: 5) so the output
-      staging fits beside them."""
+      staging fits beside them; W4A8 with token tiles fastest."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
@@ -351,10 +351,11 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         room = _SMEM // (2 if bn == 64 else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
         stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
     if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
-        # persistent CTAs (H200 sweep, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
-        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room
+        # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
+        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room; W4A8 visits the token
+        # tiles of a weight row block first (its 256-token FP8 activation tiles stay in L2)
         for depth in range(4 if w4a8 or m <= 1024 else 5, 2, -1):
-            cfg = Config(bn, wgs, depth, 1, persistent=True)
+            cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=w4a8)
             if fits(cfg, epilogue, w4a8):
                 return cfg
     return Config(bn, wgs, stages, splits)
