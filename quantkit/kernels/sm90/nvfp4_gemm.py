@@ -33,10 +33,13 @@ but the k-loop branches between WGMMAs (ptxas would serialize them). Split-K acr
 (``grid.z``) for decode grids: each CTA writes its FP32 partial tile, the last to arrive
 (per-tile counter, reset to 0 by it) loads all partials at once and sums them in split order
 (deterministic), then runs the epilogue: alpha, bias and activation (incl. interleaved SwiGLU)
-in registers, then the tile goes through the drained pipeline's shared memory, transposed to
-the output's row order, so each thread adds the residual to 8 consecutive outputs and writes
-them with one 16-byte store. Host launches go through CuTeDSL's tvm-ffi executors where
-apache-tvm-ffi is installed (:func:`quantkit.kernels.cache.use_tvm_ffi`).
+in registers, then the tile goes through shared memory (as bf16 outputs, or FP32 where the
+residual follows), transposed to the output's row order, so each thread adds the residual to 8
+consecutive outputs and writes them with one 16-byte store. Large prefill grids run persistent
+(``Config.persistent``): one CTA per SM loops over the output tiles, the producer loading the next
+tile while the consumers stage the epilogue in memory beside the pipeline (else in the drained
+pipeline). Host launches go through CuTeDSL's tvm-ffi executors where apache-tvm-ffi is installed
+(:func:`quantkit.kernels.cache.use_tvm_ffi`).
 """
 import functools
 import math
