@@ -422,6 +422,49 @@ def test_gptq_dynamic_scales_match_reference():
     assert same_values(f.quantize_weight(ours, quantizer.scale, ts).dequantize(), ours) == 1.0
 
 
+def test_gptq_mse_scales_match_reference():
+    """``mse_scales``: each block scale, when the sweep reaches it, is the E4M3 code (-1 .. +6 steps
+    around round-to-nearest) of least Hessian-diagonal-weighted error on the updated weights."""
+    f = get_format("nvfp4")
+    n, k = 32, 128
+    torch.manual_seed(4)
+    w = torch.randn(n, k)
+    x = correlated_inputs(k)
+    h = x.T @ x / x.shape[0]
+    scale, ts = f.weight.compute_scales(w)
+    quantizer = ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax(), h.diagonal().float())
+    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, dynamic_scales=True)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    grid = torch.cat([-grid.flip(0), grid])
+
+    def dynamic(cur, j, steps):
+        if j % 16:
+            return steps
+        block = cur[:, j:j + 16]
+        rtn = (block.abs().amax(1) / 6 / ts.double()).float().clamp(2 ** -6, 448).to(torch.float8_e4m3fn)
+        best = best_err = None
+        for d in range(-1, 7):  # independent search over E4M3 codes, float64 error
+            code = (rtn.view(torch.uint8).int() + d).clamp(0x08, 0x7E).to(torch.uint8)
+            step = code.view(torch.float8_e4m3fn).double() * ts.double()
+            xs = block / step[:, None]
+            deq = grid[(xs[..., None] - grid).abs().argmin(-1)] * step[:, None]
+            err = ((block - deq) ** 2 * h.diagonal().double()[j:j + 16]).sum(1)
+            better = err < best_err if best is not None else torch.ones(n, dtype=torch.bool)
+            best = torch.where(better, step, best) if best is not None else step
+            best_err = torch.where(better, err, best_err) if best_err is not None else err
+        steps = steps.clone()
+        steps[:, j:j + 16] = best[:, None]
+        return steps
+
+    ref = reference_gptq(w, h, reference_steps("nvfp4", scale, ts, (n, k)), True, 0.01, range(k), dynamic)
+    assert same_values(ours, ref) > 0.99
+    assert same_values(f.quantize_weight(ours, quantizer.scale, ts).dequantize(), ours) == 1.0
+    rtn_dynamic = gptq_quantize(w, h, ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax()), damp=0.01,
+                                block_size=32, dynamic_scales=True)
+    obj = lambda q: torch.einsum("nk,kl,nl->", w.double() - q.double(), h.double(), w.double() - q.double()).item()  # noqa: E731
+    assert obj(ours) < obj(rtn_dynamic)  # the searched scales fit the updated weights better
+
+
 def test_gptq_keeps_chosen_scales_else_dynamic():
     f = get_format("nvfp4")
     torch.manual_seed(2)

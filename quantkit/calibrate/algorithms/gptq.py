@@ -10,8 +10,10 @@ Every format is a grid of element values (E2M1 or E4M3) times a per-element step
 scales, so one sweep serves them all. Scales chosen by a ``scales`` stage algorithm (MSE) stay
 fixed; otherwise, with ``dynamic_scales`` (default), each scale block gets its round-to-nearest
 scale from the already-updated weights when the sweep reaches it (the reference implementation's
-groups; NVFP4 keeps its fused-group tensor scale), else the round-to-nearest scales of the
-original weights are fixed before the sweep. ``act_order`` sweeps the columns in order of
+groups; NVFP4 keeps its fused-group tensor scale) — with ``mse_scales``, the block scale of least
+Hessian-diagonal-weighted error among the MSE search's candidates (:mod:`.mse`; llm-compressor's
+GPTQ with an MSE observer) — else the round-to-nearest scales of the original weights are fixed
+before the sweep. ``act_order`` sweeps the columns in order of
 decreasing ``diag H``, with fixed scales.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.mse import search_block_scales
 from quantkit.formats import Format, QuantizedWeight
 from quantkit.formats.codecs import e2m1_decode, e2m1_encode, e4m3_encode, pack_nibbles
 
@@ -46,19 +49,25 @@ class ColumnQuantizer:
     """Rounds single weight columns of an ``[N, K]`` weight under the format's scales.
 
     ``scale``/``tensor_scale``: the starting scales (updated in place by :meth:`refresh`);
-    ``amax``: the tensor-scale amax :meth:`refresh` keeps (NVFP4 fused groups)."""
+    ``amax``: the tensor-scale amax :meth:`refresh` keeps (NVFP4 fused groups); ``importance``:
+    FP32 ``[K]`` column weights under which :meth:`refresh` searches the block scale (None: the
+    round-to-nearest scale)."""
 
     def __init__(self, fmt: Format, shape: tuple[int, int], scale: torch.Tensor,
-                 tensor_scale: torch.Tensor | None, amax: torch.Tensor | None = None):
+                 tensor_scale: torch.Tensor | None, amax: torch.Tensor | None = None,
+                 importance: torch.Tensor | None = None):
         self.fmt, self.fp4 = fmt, is_fp4(fmt)
         self.scale, self.tensor_scale, self.amax = scale.clone(), tensor_scale, amax
+        self.importance = importance
         self.width = fmt.weight.block[1] or shape[1]
         self.steps = element_steps(fmt, self.scale, tensor_scale, shape)
 
     def refresh(self, j: int, block: torch.Tensor) -> None:
-        """Round-to-nearest scale for the scale block starting at column ``j`` (a multiple of
-        ``width``) from its current FP32 values ``block [N, width]``."""
+        """Round-to-nearest (or, with ``importance``, searched) scale for the scale block starting
+        at column ``j`` (a multiple of ``width``) from its current FP32 values ``block [N, width]``."""
         s, _ = self.fmt.weight.compute_scales(block, self.amax)
+        if self.importance is not None:
+            s, _ = search_block_scales(self.fmt, block, s, self.tensor_scale, self.importance[j:j + self.width])
         c = j // self.width
         self.scale[:, c:c + 1] = s
         self.steps[:, j:j + self.width] = element_steps(self.fmt, s, self.tensor_scale, tuple(block.shape))
@@ -116,15 +125,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, quantizer: ColumnQuant
 
 class GPTQ(Algorithm):
     """Round stage: GPTQ per Linear (see the module doc). ``damp`` (0.01), ``block_size`` (128),
-    ``act_order`` (False), ``dynamic_scales`` (True)."""
+    ``act_order`` (False), ``dynamic_scales`` (True), ``mse_scales`` (False)."""
 
     name = "gptq"
     stage = "round"
     needs_hessian = True
 
     def __init__(self, damp: float = 0.01, block_size: int = 128, act_order: bool = False,
-                 dynamic_scales: bool = True):
+                 dynamic_scales: bool = True, mse_scales: bool = False):
         self.damp, self.block_size, self.act_order, self.dynamic_scales = damp, block_size, act_order, dynamic_scales
+        self.mse_scales = mse_scales
 
     @torch.no_grad()
     def apply(self, ctx: LayerContext) -> None:
@@ -132,9 +142,10 @@ class GPTQ(Algorithm):
             w = linear.weight.detach().float()
             chosen = name in ctx.scales  # by a scales-stage algorithm
             scale, tensor_scale = ctx.rtn_scales(name)
-            quantizer = ColumnQuantizer(ctx.fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name])
             dynamic = (self.dynamic_scales and not chosen and not self.act_order
-                       and self.block_size % quantizer.width == 0)
+                       and self.block_size % (ctx.fmt.weight.block[1] or w.shape[1]) == 0)
+            importance = ctx.stats[name].hessian.diagonal().float() if dynamic and self.mse_scales else None
+            quantizer = ColumnQuantizer(ctx.fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name], importance)
             q = gptq_quantize(w, ctx.stats[name].hessian, quantizer, damp=self.damp, block_size=self.block_size,
                               act_order=self.act_order, dynamic_scales=dynamic)
             ctx.qweights[name] = ctx.fmt.quantize_weight(q, quantizer.scale, tensor_scale)
