@@ -375,6 +375,21 @@ def correlated_inputs(k: int, tokens: int = 1024) -> torch.Tensor:
     return x * torch.linspace(0.2, 3.0, k)
 
 
+def gptq_objective(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    """``tr(E H Eᵀ)`` with ``E = w − q``: the layer-output error GPTQ minimises."""
+    e = w.double() - q.double()
+    return torch.einsum("nk,kl,nl->", e, h.double(), e).item()
+
+
+def nvfp4_problem(seed: int, n: int = 32, k: int = 128):
+    """An NVFP4 GPTQ case: ``(format, w [n, k], H [k, k], RTN scale, tensor scale)``."""
+    f = get_format("nvfp4")
+    torch.manual_seed(seed)
+    w = torch.randn(n, k)
+    x = correlated_inputs(k)
+    return (f, w, x.T @ x / x.shape[0], *f.weight.compute_scales(w))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block", "mxfp8"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_matches_reference(fmt, act_order):
@@ -391,78 +406,55 @@ def test_gptq_matches_reference(fmt, act_order):
     ref = reference_gptq(w, h, reference_steps(fmt, scale, ts, (n, k)), fmt in FP4, 0.01, order)
     assert same_values(ours, ref) > 0.99
     # the objective GPTQ minimises, tr(E H Eᵀ), well below round-to-nearest's
-    obj = lambda q: torch.einsum("nk,kl,nl->", w.double() - q.double(), h.double(), w.double() - q.double()).item()  # noqa: E731
-    assert math.isclose(obj(ours), obj(ref), rel_tol=0.02)
-    assert obj(ours) < (0.6 if act_order else 0.85) * obj(qdq(f, w, scale, ts))
+    assert math.isclose(gptq_objective(w, ours, h), gptq_objective(w, ref, h), rel_tol=0.02)
+    assert gptq_objective(w, ours, h) < (0.6 if act_order else 0.85) * gptq_objective(w, qdq(f, w, scale, ts), h)
     # the result is on the format's grid: packing it reproduces it (up to the last FP32 rounding)
     assert same_values(f.quantize_weight(ours, scale, ts).dequantize(), ours) == 1.0
 
 
-def test_gptq_dynamic_scales_match_reference():
-    f = get_format("nvfp4")
-    n, k = 32, 128
-    torch.manual_seed(1)
-    w = torch.randn(n, k)
-    x = correlated_inputs(k)
-    h = x.T @ x / x.shape[0]
-    scale, ts = f.weight.compute_scales(w)
-    quantizer = ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax())
-    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, dynamic_scales=True)
-
-    def dynamic(cur, j, steps):
-        if j % 16 == 0:  # independent NVFP4 rule: e4m3(block amax / 6 / ts)
-            s = (cur[:, j:j + 16].abs().amax(1) / 6 / ts.double()).float().clamp(2 ** -6, 448)
-            s = s.to(torch.float8_e4m3fn).double() * ts.double()
-            steps = steps.clone()
-            steps[:, j:j + 16] = s[:, None]
-        return steps
-
-    ref = reference_gptq(w, h, reference_steps("nvfp4", scale, ts, (n, k)), True, 0.01, range(k), dynamic)
-    assert same_values(ours, ref) > 0.99
-    assert same_values(f.quantize_weight(ours, quantizer.scale, ts).dequantize(), ours) == 1.0
-
-
-def test_gptq_mse_scales_match_reference():
-    """``mse_scales``: each block scale, when the sweep reaches it, is the E4M3 code (-1 .. +6 steps
-    around round-to-nearest) of least Hessian-diagonal-weighted error on the updated weights."""
-    f = get_format("nvfp4")
-    n, k = 32, 128
-    torch.manual_seed(4)
-    w = torch.randn(n, k)
-    x = correlated_inputs(k)
-    h = x.T @ x / x.shape[0]
-    scale, ts = f.weight.compute_scales(w)
-    quantizer = ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax(), h.diagonal().float())
-    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, dynamic_scales=True)
+def reference_block_step(block: torch.Tensor, ts: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """float64 ``[N]``: the NVFP4 step of each row of ``block [N, 16]``, by the format rule
+    ``e4m3(amax / 6 / ts) · ts``, or with ``importance [16]`` the E4M3 code -1 .. +6 steps around
+    it of least importance-weighted squared error."""
+    rtn = (block.abs().amax(1) / 6 / ts.double()).float().clamp(2 ** -6, 448).to(torch.float8_e4m3fn)
+    if importance is None:
+        return rtn.double() * ts.double()
     grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
     grid = torch.cat([-grid.flip(0), grid])
+    steps = [(rtn.view(torch.uint8).int() + d).clamp(0x08, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn).double()
+             * ts.double() for d in range(-1, 7)]
+    errs = []
+    for step in steps:
+        xs = block.double() / step[:, None]
+        deq = grid[(xs[..., None] - grid).abs().argmin(-1)] * step[:, None]
+        errs.append(((block.double() - deq) ** 2 * importance.double()).sum(1))
+    return torch.stack(steps)[torch.stack(errs).argmin(0), torch.arange(block.shape[0])]
+
+
+@pytest.mark.parametrize("mse_scales", [False, True])
+def test_gptq_dynamic_scales_match_reference(mse_scales):
+    """Each block scale is set when the sweep reaches it, from the updated weights: round-to-nearest,
+    or (``mse_scales``) searched under the Hessian diagonal."""
+    f, w, h, scale, ts = nvfp4_problem(1)
+    n, k = w.shape
+    importance = h.diagonal().float() if mse_scales else None
+    quantizer = ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax(), importance)
+    ours = gptq_quantize(w, h, quantizer, damp=0.01, block_size=32, dynamic_scales=True)
 
     def dynamic(cur, j, steps):
-        if j % 16:
-            return steps
-        block = cur[:, j:j + 16]
-        rtn = (block.abs().amax(1) / 6 / ts.double()).float().clamp(2 ** -6, 448).to(torch.float8_e4m3fn)
-        best = best_err = None
-        for d in range(-1, 7):  # independent search over E4M3 codes, float64 error
-            code = (rtn.view(torch.uint8).int() + d).clamp(0x08, 0x7E).to(torch.uint8)
-            step = code.view(torch.float8_e4m3fn).double() * ts.double()
-            xs = block / step[:, None]
-            deq = grid[(xs[..., None] - grid).abs().argmin(-1)] * step[:, None]
-            err = ((block - deq) ** 2 * h.diagonal().double()[j:j + 16]).sum(1)
-            better = err < best_err if best is not None else torch.ones(n, dtype=torch.bool)
-            best = torch.where(better, step, best) if best is not None else step
-            best_err = torch.where(better, err, best_err) if best_err is not None else err
-        steps = steps.clone()
-        steps[:, j:j + 16] = best[:, None]
+        if j % 16 == 0:
+            steps = steps.clone()
+            steps[:, j:j + 16] = reference_block_step(cur[:, j:j + 16], ts, None if importance is None
+                                                      else importance[j:j + 16])[:, None]
         return steps
 
     ref = reference_gptq(w, h, reference_steps("nvfp4", scale, ts, (n, k)), True, 0.01, range(k), dynamic)
     assert same_values(ours, ref) > 0.99
     assert same_values(f.quantize_weight(ours, quantizer.scale, ts).dequantize(), ours) == 1.0
-    rtn_dynamic = gptq_quantize(w, h, ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax()), damp=0.01,
-                                block_size=32, dynamic_scales=True)
-    obj = lambda q: torch.einsum("nk,kl,nl->", w.double() - q.double(), h.double(), w.double() - q.double()).item()  # noqa: E731
-    assert obj(ours) < obj(rtn_dynamic)  # the searched scales fit the updated weights better
+    if mse_scales:  # the searched scales fit the updated weights better than round-to-nearest ones
+        rtn = gptq_quantize(w, h, ColumnQuantizer(f, (n, k), scale, ts, w.abs().amax()), damp=0.01,
+                            block_size=32, dynamic_scales=True)
+        assert gptq_objective(w, ours, h) < gptq_objective(w, rtn, h)
 
 
 def test_gptq_keeps_chosen_scales_else_dynamic():
