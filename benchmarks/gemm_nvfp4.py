@@ -324,8 +324,8 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                 for mode in ("w4a8", "w4a16"):
                     w4a8_mode = mode == "w4a8"
                     new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
-                    depth = max(s for s in range(3, 9) if ng.fits(ng.Config(new.bn, new.warpgroups, s, 1), Epilogue(), w4a8_mode))
-                    old = ng.Config(new.bn, new.warpgroups, depth, new.splits)
+                    deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
+                    old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
                     cfgs = [new, old]
                     if new.persistent:  # and the other tile order
                         cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))

@@ -239,8 +239,9 @@ class Config:
     # Options compiled and CPU-checked but not yet timed or checked on a GPU (off by default):
     pdl: bool = False  # programmatic dependent launch: weights stream before the previous kernel ends
     batched: bool = False  # per stage: decode every k-block, then issue all WGMMAs
-    # One CTA per SM looping over the output tiles: the producer loads the next tile's first stages
-    # while the consumers run the epilogue, staged in its own shared memory (no K-split, no PDL).
+    # Measured on the H200 (pick_config's prefill tiles): one CTA per SM looping over the output
+    # tiles; the producer loads the next tile's first stages while the consumers run the epilogue,
+    # staged in shared memory of its own (no K-split, no PDL); and the order of those tiles.
     persistent: bool = False
     tokens_fastest: bool = False  # persistent tile order: token tiles fastest (default: weight row blocks)
 
