@@ -288,6 +288,13 @@ def test_configs_fit_shared_memory():
         ng.Config(256, 2, 5, 1).check(Epilogue(activation="swiglu"), w4a8=True)
 
 
+def test_act_quant_holds_each_row_in_the_fewest_groups_per_thread():
+    """256 threads x 16 columns per group: rows up to 4096 columns in 1 group per thread (31
+    registers, 8 CTAs per SM), then 2 / 4 / 8; longer rows use the 8-group kernel, read twice."""
+    assert [nw8.held_groups(k) for k in (1056, 4096, 4112, 8192, 14336, 16384, 16400, 28672, 32768, 40960)] == \
+        [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+
+
 def test_persistent_configs_stage_the_output_beside_the_pipeline():
     """A persistent CTA stages its epilogue in the memory the stages leave (the pipeline is
     already loading the next tile): fewer tokens per pass than the drained pipeline holds."""
