@@ -39,7 +39,7 @@ from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gat
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
-from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
+from timing import graph_median_us, interleaved_us  # noqa: E402  (benchmarks/timing.py)
 
 SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -334,11 +334,7 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                             fns[label] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
                         else:
                             fns[label] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
-                times = {label: [] for label in fns}
-                for _ in range(3):
-                    for label, f in fns.items():
-                        times[label].append(graph_median_us(f, reps=9))
-                row = {"shape": f"{name} {n}x{k}", "m": m, "us": times}
+                row = {"shape": f"{name} {n}x{k}", "m": m, "us": interleaved_us(fns)}
                 rows.append(row)
                 log("PAB " + json.dumps(row), fh)
             del preps, bf16s
@@ -359,11 +355,7 @@ def run_act_quant_sweep(fh, ms=(256, 1024, 2048, 4096, 8192), ks=(4096, 8192, 14
             fns = {h: [lambda h=h: nw8._executor(h, tvm)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k,
                                                           kcache.launch_stream(x.device, tvm))]  # the capture stream
                    for h in nw8.HELD}
-            times = {h: [] for h in fns}
-            for _ in range(3):
-                for h, f in fns.items():
-                    times[h].append(graph_median_us(f, reps=15))
-            row = {"m": m, "k": k, "default": nw8.held_groups(k), "us": times}
+            row = {"m": m, "k": k, "default": nw8.held_groups(k), "us": interleaved_us(fns, reps=15)}
             rows.append(row)
             log("AQ " + json.dumps(row), fh)
     return rows
@@ -446,13 +438,10 @@ def run_gemv_ab(fh):
                 cfg = gv.GemvConfig(w if tiles == 1 else 8, tiles, st, sp, tok, pdl)
                 if cfg.smem_bytes() <= 227 * 1024:
                     cands.setdefault(str(cfg), cfg)
-            times = {label: [] for label in cands}
-            for _ in range(3):
-                for label, cfg in cands.items():
-                    times[label].append(graph_median_us([lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, epi, config=c)
-                                                         for p in preps], reps=9))
+            fns = {label: [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, epi, config=c) for p in preps]
+                   for label, cfg in cands.items()}
             row = {"shape": f"{n}x{k}", "epilogue": epi.activation, "m": m,
-                   "default_config": str(gv.pick_gemv_config(m, n_pad, k, epi)), "us": times}
+                   "default_config": str(gv.pick_gemv_config(m, n_pad, k, epi)), "us": interleaved_us(fns)}
             rows.append(row)
             log("AB " + json.dumps(row), fh)
         del preps

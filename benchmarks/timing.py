@@ -32,3 +32,14 @@ def graph_median_us(fns: list[Callable[[], object]], reps: int = 15) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(fns))
     return statistics.median(times)
+
+
+def interleaved_us(contenders: dict[object, list[Callable[[], object]]], rounds: int = 3,
+                   reps: int = 9) -> dict[object, list[float]]:
+    """Per contender, its :func:`graph_median_us` in each of ``rounds`` rounds that time every
+    contender in turn (so a drifting clock affects all of them alike)."""
+    times = {label: [] for label in contenders}
+    for _ in range(rounds):
+        for label, fns in contenders.items():
+            times[label].append(graph_median_us(fns, reps=reps))
+    return times
