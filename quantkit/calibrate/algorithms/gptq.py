@@ -142,10 +142,10 @@ class GPTQ(Algorithm):
             w = linear.weight.detach().float()
             chosen = name in ctx.scales  # by a scales-stage algorithm
             scale, tensor_scale = ctx.rtn_scales(name)
-            dynamic = (self.dynamic_scales and not chosen and not self.act_order
-                       and self.block_size % (ctx.fmt.weight.block[1] or w.shape[1]) == 0)
-            importance = ctx.stats[name].hessian.diagonal().float() if dynamic and self.mse_scales else None
+            importance = ctx.stats[name].hessian.diagonal().float() if self.mse_scales else None  # used by refresh
             quantizer = ColumnQuantizer(ctx.fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name], importance)
+            dynamic = (self.dynamic_scales and not chosen and not self.act_order
+                       and self.block_size % quantizer.width == 0)
             q = gptq_quantize(w, ctx.stats[name].hessian, quantizer, damp=self.damp, block_size=self.block_size,
                               act_order=self.act_order, dynamic_scales=dynamic)
             ctx.qweights[name] = ctx.fmt.quantize_weight(q, quantizer.scale, tensor_scale)
