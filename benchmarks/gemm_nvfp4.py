@@ -305,31 +305,10 @@ def run_variants(shapes, fh, ms=(1, 16)):
     return rows
 
 
-def persistent_ab_configs(mode, m, n_pad, k):
-    """The default config (persistent where ``pick_config`` says so) against the same tile as one
-    CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in the
-    other tile order (token tiles or weight row blocks fastest)."""
-    w4a8_mode = mode == "w4a8"
-    new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
-    deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
-    cfgs = [new, next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))]
-    if new.persistent:
-        cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
-    return cfgs
-
-
-def shared_decode_ab_configs(mode, m, n_pad, k):
-    """W4A8 only: the default config against the 512-token shared-decode tile, persistent (both tile
-    orders, 4 stages) and one CTA per tile (5 stages)."""
-    if mode != "w4a8":
-        return []
-    shared = [ng.Config(512, 2, 4, 1, persistent=True, tokens_fastest=True), ng.Config(512, 2, 4, 1, persistent=True),
-              ng.Config(512, 2, 5, 1)]
-    return [ng.pick_config(m, n_pad, k, Epilogue(), True)] + [c for c in shared if ng.fits(c, Epilogue(), True)]
-
-
-def run_config_ab(shapes, fh, ms, configs_for, tag):
-    """Prefill configs from ``configs_for(mode, m, n_pad, k)`` for W4A8 (GEMM on quantized
+def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
+    """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
+    as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in
+    the other tile order (token tiles or weight row blocks fastest), for W4A8 (GEMM on quantized
     activations) and W4A16, beside bf16 ``F.linear``: 3 interleaved rounds."""
     rows = []
     for name in shapes:
@@ -343,15 +322,21 @@ def run_config_ab(shapes, fh, ms, configs_for, tag):
                 xq, xs = nw8.quantize_activation(x)
                 fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
                 for mode in ("w4a8", "w4a16"):
-                    for cfg in configs_for(mode, m, n_pad, k):
-                        if mode == "w4a8":
-                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
-                                                    for p in preps]
+                    w4a8_mode = mode == "w4a8"
+                    new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
+                    deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
+                    old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
+                    cfgs = [new, old]
+                    if new.persistent:  # and the other tile order
+                        cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
+                    for label, cfg in ((f"{mode} {c}", c) for c in cfgs):
+                        if w4a8_mode:
+                            fns[label] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
                         else:
-                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                            fns[label] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
                 row = {"shape": f"{name} {n}x{k}", "m": m, "us": interleaved_us(fns)}
                 rows.append(row)
-                log(f"{tag} " + json.dumps(row), fh)
+                log("PAB " + json.dumps(row), fh)
             del preps, bf16s
             torch.cuda.empty_cache()
     return rows
@@ -611,7 +596,6 @@ def main():
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
-    ap.add_argument("--shared-decode-ab", action="store_true", help="only: W4A8 default vs the 512-token tile")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
@@ -627,12 +611,9 @@ def main():
         with open(out / "aq.log", "w") as fh:
             (out / "aq.json").write_text(json.dumps(run_act_quant_sweep(fh), indent=1))
         return
-    if args.persistent_ab or args.shared_decode_ab:
-        name = "pab" if args.persistent_ab else "sdab"
-        configs = persistent_ab_configs if args.persistent_ab else shared_decode_ab_configs
-        with open(out / f"{name}.log", "w") as fh:
-            rows = run_config_ab(args.shapes, fh, args.w4a8_ms, configs, name.upper())
-            (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    if args.persistent_ab:
+        with open(out / "pab.log", "w") as fh:
+            (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
         return
     if args.gemv_ab:
         with open(out / "ab.log", "w") as fh:

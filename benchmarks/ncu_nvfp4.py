@@ -44,12 +44,16 @@ def decode(specs: list[str]) -> None:
         print(f"{n}x{k}: gemv {gcfg}, wgmma {wcfg}")
 
 
-def prefill(shape: str) -> None:
+def prefill(shape: str, w4a8_configs: list[str]) -> None:
     n, k, m = (int(v) for v in shape.split("x"))
     w = prepared(n, k)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     xq, xs = nw8.quantize_activation(x)
     nw8.nvfp4_w4a8_quantized(xq, xs, w)
+    for spec in w4a8_configs:  # e.g. "512,2,4,1,persistent": more W4A8 configs beside the default
+        bn, wgs, stages, splits, *flags = spec.split(",")
+        cfg = ng.Config(int(bn), int(wgs), int(stages), int(splits), **{f: True for f in flags})
+        nw8.nvfp4_w4a8_quantized(xq, xs, w, config=cfg)
     xq8, xs8 = fp8.quantize(x, (1, 128))
     w16 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
     wq8 = fp8.quantize(w16, (128, 128))
@@ -66,9 +70,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemv", nargs="+", default=["8,2,1", "8,3,1"], help="warps,stages,splits per shape")
     ap.add_argument("--prefill", metavar="NxKxM", help="profile W4A8 and fp8-block at this shape instead")
+    ap.add_argument("--w4a8-configs", nargs="*", default=[], metavar="BN,WGS,STAGES,SPLITS[,FLAG...]",
+                    help="prefill: also these W4A8 configs (flags: Config's boolean fields)")
     args = ap.parse_args()
     if args.prefill:
-        prefill(args.prefill)
+        prefill(args.prefill, args.w4a8_configs)
     else:
         decode(args.gemv)
 

@@ -245,31 +245,10 @@ class Config:
     persistent: bool = False
     tokens_fastest: bool = False  # persistent tile order: token tiles fastest (default: weight row blocks)
 
-    @property
-    def shared_decode(self) -> bool:
-        """The W4A8 512-token tile: both warpgroups multiply the same 64 weight rows, each with 256
-        tokens, over 64-K stages; each decodes one of a stage's two k32 blocks and hands it to the
-        other through shared memory (half the decode per FLOP)."""
-        return self.bn == 512
-
-    @property
-    def wg_tokens(self) -> int:
-        """Tokens of one warpgroup's accumulator (its WGMMA N)."""
-        return 256 if self.shared_decode else self.bn
-
-    @property
-    def bk(self) -> int:
-        """K per pipeline stage."""
-        return BK // 2 if self.shared_decode else BK
-
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
-        if self.bn not in (8, 16, 32, 64, 128, 256, 512) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
+        if self.bn not in (8, 16, 32, 64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3 or self.splits < 1:
             raise ValueError(f"unsupported config {self}")
-        if self.shared_decode and (not w4a8 or self.warpgroups != 2 or self.splits > 1 or self.pdl or self.batched
-                                   or epilogue.activation == "swiglu"):
-            raise ValueError(f"{self}: the 512-token tile is W4A8 with 2 warpgroups, no K-split, PDL, batched issue "
-                             "or swiglu")
         if (self.persistent and (self.splits > 1 or self.pdl)) or (self.tokens_fastest and not self.persistent):
             raise ValueError(f"{self}: a persistent config has no K-split and no PDL (tile order: persistent only)")
         need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self.bn, epilogue)
@@ -300,19 +279,12 @@ def fits(config: Config, epilogue: Epilogue, w4a8: bool) -> bool:
 
 def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     """Shared memory of one pipeline stage: each warpgroup's weight tile plus the [bn, BK]
-    activation tile (FP8 in W4A8, bf16 in W4A16); the 512-token tile's 64-K stage: half a weight
-    tile's codes, all its scales and the FP8 [512, 64] activations."""
-    if bn == 512:
-        return CODE_BYTES // 2 + SCALE_BYTES + bn * BK // 2
+    activation tile (FP8 in W4A8, bf16 in W4A16)."""
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
 def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
-    """Shared memory the two warpgroups exchange through: SwiGLU's up half (warpgroup 1) meets its
-    gate half there (FP32 ``[bn/2, 128]``); the 512-token tile passes its decoded k32 blocks (16
-    bytes per thread, warpgroup and block, for two stages in turn)."""
-    if bn == 512:
-        return 2 * 2 * 128 * 16
+    """Shared memory in which SwiGLU's up half (warpgroup 1) meets its gate half: FP32 ``[bn/2, 128]``."""
     return 128 * (bn // 2) * 4 if epilogue.activation == "swiglu" else 0
 
 
@@ -325,12 +297,12 @@ def staging_row_bytes(epilogue: Epilogue) -> int:
 
 def staging_tokens(config: Config, epilogue: Epilogue, w4a8: bool) -> int:
     """Tokens per pass of the epilogue's output staging tile (:func:`staging_row_bytes` per token
-    and warpgroup): the most (a power of two, at most a warpgroup's tokens) that fit the drained pipeline's
+    and warpgroup): the most (a power of two, at most ``bn``) that fit the drained pipeline's
     shared memory, or in a persistent kernel the memory the stages and the SwiGLU exchange leave
     (the pipeline is then already filling for the next tile)."""
     pipe = config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
     room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config.bn, epilogue) if config.persistent else pipe
-    tokens = config.wg_tokens
+    tokens = config.bn
     while tokens and config.warpgroups * tokens * staging_row_bytes(epilogue) > room:
         tokens //= 2
     return tokens
@@ -524,15 +496,10 @@ def _kernel_class():
             self.cfg, self.epi, self.w4a8, self.num_sms = config, epilogue, w4a8, num_sms
             self.bias_dtype = Float32 if bias_fp32 else cutlass.BFloat16
             self.ab_dtype = cutlass.Float8E4M3FN if w4a8 else cutlass.BFloat16
-            self.bk = config.bk
-            self.mma_k = self.bk // (32 if w4a8 else 16)  # WGMMA k-blocks per stage
+            self.mma_k = BK // (32 if w4a8 else 16)  # WGMMA k-blocks per stage
             self.wgs = config.warpgroups
-            self.shared = config.shared_decode
-            self.rows = ROWS if self.shared else ROWS * self.wgs  # weight rows per CTA
-            self.x_tiles = 2 if self.shared else 1  # activation tiles per stage (one per warpgroup)
-            self.w_bytes = stage_bytes(config.bn, self.wgs, w4a8) - config.bn * self.bk * (1 if w4a8 else 2)
             self.swiglu = epilogue.activation == "swiglu"
-            self.acc_n = config.wg_tokens // 2  # accumulator registers per thread
+            self.acc_n = config.bn // 2  # accumulator registers per thread
             # Producer: warp 0 of an extra warpgroup (whole warpgroups keep every SM sub-partition's
             # register share equal). Large tiles move registers from it to the consumers.
             self.producer_warp = 4 * self.wgs
@@ -565,28 +532,26 @@ def _kernel_class():
                                         cute.make_layout((m, n_out), stride=(n_out, 1)))
 
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.bk), self.ab_dtype)
-            wg_n = cfg.wg_tokens
-            # activation tiles [wg_n, bk], x_tiles per stage (512-token tile: warpgroup w's at 2 * stage + w)
-            x_smem = cute.tile_to_shape(atom, (wg_n, self.bk, self.x_tiles * cfg.stages), order=(0, 1, 2))
+                sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, BK), self.ab_dtype)
+            x_smem = cute.tile_to_shape(atom, (cfg.bn, BK, cfg.stages), order=(0, 1, 2))
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                Float32, (1, 1, 1), tiler_mn=(ROWS, wg_n), a_source=warpgroup.OperandSource.RMEM)
+                Float32, (1, 1, 1), tiler_mn=(ROWS, cfg.bn), a_source=warpgroup.OperandSource.RMEM)
             tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(x_smem, (None, None, 0)), (wg_n, self.bk))
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(x_smem, (None, None, 0)), (cfg.bn, BK))
 
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
                 flag: cute.struct.MemRange[Int32, 4]
-                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.w_bytes], 128]
+                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
                 sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
-                xchg: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(16, exchange_bytes(cfg.bn, self.epi))], 16]
+                xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
                 stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
                     self.epi) if cfg.persistent else 16], 16]
 
             self.shared_storage = SharedStorage
-            n_bx = n_pad // self.rows
+            n_bx = n_pad // (ROWS * self.wgs)
             grid = (n_bx, (m + cfg.bn - 1) // cfg.bn, cfg.splits)
             n_tiles = grid[0] * grid[1]
             if cutlass.const_expr(cfg.persistent):
@@ -614,13 +579,13 @@ def _kernel_class():
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            x_tile_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(x_smem, (None, None, 0)))
+            x_stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(x_smem, (None, None, 0)))
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=cfg.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),
-                tx_count=self.w_bytes + self.x_tiles * x_tile_bytes,
+                tx_count=self.wgs * TILE_BYTES + x_stage_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
@@ -628,7 +593,7 @@ def _kernel_class():
             sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
             wbuf = storage.wbuf.data_ptr()
 
-            k_tiles = k // self.bk
+            k_tiles = k // BK
             kt_begin = bz * k_tiles // cfg.splits
             kt_end = (bz + 1) * k_tiles // cfg.splits
             pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -651,7 +616,7 @@ def _kernel_class():
             """One warp: per stage, the warpgroups' weight tiles (bulk copies) and the activation tile
             (TMA) onto one mbarrier; a persistent CTA does so for tiles ``bx, bx + grid, ...`` in turn."""
             cfg = self.cfg
-            gX = cute.local_tile(mX_tma, (cfg.wg_tokens, self.bk), (None, None))
+            gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
             tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
                 tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
@@ -690,7 +655,8 @@ def _kernel_class():
                     state.advance()
                 cute.arch.griddepcontrol_wait()
                 for kt in cutlass.range(kt_begin, first, unroll=1):
-                    self.load_x(pipe, x_state, tma_x, tXgX, tXsX, by, kt)
+                    cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, x_state.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(x_state))
                     x_state.advance()
             state = self.produce(pipe, tma_x, tXgX, tXsX, wbuf_addr, tiles_ptr, k_tiles, state, bx, by, first, kt_end)
             pipe.producer_tail(state)
@@ -701,33 +667,21 @@ def _kernel_class():
             for kt in cutlass.range(kt_begin, kt_end, unroll=1):
                 pipe.producer_acquire(state)
                 self.load_weights(pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt)
-                self.load_x(pipe, state, tma_x, tXgX, tXsX, by, kt)
+                cute.copy(tma_x, tXgX[(None, by, kt)], tXsX[(None, state.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
                 pipe.producer_commit(state)
                 state.advance()
             return state
 
         @cute.jit
-        def load_x(self, pipe, state, tma_x, tXgX, tXsX, by, kt):
-            """TMA-load the activation tile(s) of token tile ``by``, k-tile ``kt`` into ``state``'s stage."""
-            for h in cutlass.range_constexpr(self.x_tiles):
-                cute.copy(tma_x, tXgX[(None, by * self.x_tiles + h, kt)], tXsX[(None, state.index * self.x_tiles + h)],
-                          tma_bar_ptr=pipe.producer_get_barrier(state))
-
-        @cute.jit
         def load_weights(self, pipe, state, wbuf_addr, tiles_ptr, bx, k_tiles, kt):
-            """Bulk-copy the warpgroups' weight tiles of k-tile ``kt`` into ``state``'s stage (the
-            512-token tile's 64-K stage: that half of the tile's codes, then all its scales)."""
+            """Bulk-copy the warpgroups' weight tiles of k-tile ``kt`` into ``state``'s stage."""
             bar = pipe.producer_get_barrier(state)
-            dst = wbuf_addr + state.index * self.w_bytes
             with cute.arch.elect_one():
-                if cutlass.const_expr(self.shared):
-                    src = tiles_ptr + Int64(bx * (k_tiles // 2) + kt // 2) * TILE_BYTES
-                    bulk_g2s(dst, src + (kt % 2) * (CODE_BYTES // 2), CODE_BYTES // 2, bar.toint())
-                    bulk_g2s(dst + CODE_BYTES // 2, src + CODE_BYTES, SCALE_BYTES, bar.toint())
-                else:
-                    for wg in cutlass.range_constexpr(self.wgs):
-                        src = tiles_ptr + Int64((bx * self.wgs + wg) * k_tiles + kt) * TILE_BYTES
-                        bulk_g2s(dst + wg * TILE_BYTES, src, TILE_BYTES, bar.toint())
+                for wg in cutlass.range_constexpr(self.wgs):
+                    src = tiles_ptr + Int64((bx * self.wgs + wg) * k_tiles + kt) * TILE_BYTES
+                    dst = wbuf_addr + (state.index * self.wgs + wg) * TILE_BYTES
+                    bulk_g2s(dst, src, TILE_BYTES, bar.toint())
 
         @cute.jit
         def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, n_bx, n_tiles, kt_begin, kt_end,
@@ -737,29 +691,20 @@ def _kernel_class():
             cfg = self.cfg
             ct = tidx % 128
             thr_mma = tiled_mma.get_slice(ct)
-            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, self.bk)))
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((ROWS, BK)))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.wg_tokens)), Float32)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.bn)), Float32)
             frag = cute.recast_tensor(tCrA, Uint32)
+            # this warpgroup's tiles in smem, as 32-bit words: codes (4, 2, 128, stage), scales (4, 32, stage)
             words = cute.recast_ptr(wbuf, dtype=Uint32)
-            stage_words = self.w_bytes // 4
-            if cutlass.const_expr(self.shared):
-                # the stage's 64-K half of the codes (k16 word of a k32 block, k32 block, thread, stage) and
-                # the tile's scales (k32 block of the 128-K tile, thread quad, stage)
-                sCode = cute.make_tensor(words, cute.make_layout((2, 2, 128, cfg.stages), stride=(1, 2, 4, stage_words)))
-                sScale = cute.make_tensor(words + CODE_BYTES // 8,
-                                          cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
-                rc = cute.make_rmem_tensor((2,), Uint32)
-                rs = cute.make_rmem_tensor((4,), Uint32)  # the k32 block's 4 words: own, then the other's
-            else:
-                # this warpgroup's tiles in smem, as 32-bit words: codes (4, 2, 128, stage), scales (4, 32, stage)
-                tile_words = TILE_BYTES // 4
-                sCode = cute.make_tensor(words + wg * tile_words,
-                                         cute.make_layout((4, 2, 128, cfg.stages), stride=(1, 512, 4, stage_words)))
-                sScale = cute.make_tensor(words + wg * tile_words + CODE_BYTES // 4,
-                                          cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
-                rc = cute.make_rmem_tensor((4, 2), Uint32)
-                rs = cute.make_rmem_tensor((4,), Uint32)
+            tile_words = TILE_BYTES // 4
+            stage_words = self.wgs * tile_words
+            sCode = cute.make_tensor(words + wg * tile_words,
+                                     cute.make_layout((4, 2, 128, cfg.stages), stride=(1, 512, 4, stage_words)))
+            sScale = cute.make_tensor(words + wg * tile_words + CODE_BYTES // 4,
+                                      cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
+            rc = cute.make_rmem_tensor((4, 2), Uint32)
+            rs = cute.make_rmem_tensor((4,), Uint32)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
@@ -778,7 +723,7 @@ def _kernel_class():
                  mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows,
                  state, release, bx, by, bz, kt_begin, kt_end):
             """One output tile: mainloop, then epilogue; returns the advanced pipeline states."""
-            rb = bx if cutlass.const_expr(self.shared) else bx * self.wgs + wg  # 64-row block of the weight
+            rb = bx * self.wgs + wg  # 64-row block of the weight
             krows = Uint32(0)
             if cutlass.const_expr(self.w4a8):
                 r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
@@ -790,20 +735,7 @@ def _kernel_class():
             # No dynamic branch may sit between WGMMAs (ptxas would serialize them), hence the first
             # stage, which has no previous stage to release, is peeled.
             ops = (pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct)
-            if cutlass.const_expr(self.shared):
-                # k-tiles come in pairs (the 64-K halves h of a weight tile): K % 128 == 0, no K-split
-                xchg = cute.make_tensor(cute.recast_ptr(storage.xchg.data_ptr(), dtype=Uint32),
-                                        cute.make_layout((4, 128, 2, 2), stride=(1, 4, 512, 1024)))  # (word, thread, wg, h)
-                shared_ops = (xchg, pipeline.NamedBarrier(barrier_id=2, num_threads=256), wg)
-                state, release = self.k_tile_shared(*ops, *shared_ops, state, release, 0, False)
-                state, release = self.k_tile_shared(*ops, *shared_ops, state, release, 1, True)
-                for _kt in cutlass.range(kt_begin + 2, kt_end, 2, unroll=1):
-                    state, release = self.k_tile_shared(*ops, *shared_ops, state, release, 0, True)
-                    state, release = self.k_tile_shared(*ops, *shared_ops, state, release, 1, True)
-                warpgroup.wait_group(0)
-                pipe.consumer_release(release)
-                release.advance()
-            elif kt_end > kt_begin:
+            if kt_end > kt_begin:
                 state, release = self.k_tile(*ops, state, release, False)
                 for _kt in cutlass.range(kt_begin + 1, kt_end, unroll=1):
                     state, release = self.k_tile(*ops, state, release, True)
@@ -851,40 +783,6 @@ def _kernel_class():
             return state, release
 
         @cute.jit
-        def k_tile_shared(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, krows, ct, xchg, xbar, wg,
-                          state, release, h: cutlass.Constexpr[int], release_previous: cutlass.Constexpr[bool]):
-            """One 64-K stage of the 512-token tile (half ``h`` of a weight tile): decode k32 block
-            ``wg`` into fragment slot 0 and pass it on, take block ``1 - wg`` from the other
-            warpgroup into slot 1; returns the advanced states."""
-            pipe.consumer_wait(state)
-            stage = state.index
-            cute.autovec_copy(sCode[None, wg, ct, stage], rc)
-            scale_word = sScale[2 * h + wg, ct // 4, stage]
-            x_tile = stage * 2 + wg
-            warpgroup.wait_group(1)  # slot 0 was last read by the WGMMA two groups back
-            own = self.decode_k32(rc[0], rc[1], scale_word, krows)
-            for j in cutlass.range_constexpr(4):
-                frag[(0, j % 2, j // 2), 0, 0] = own[j]
-                rs[j] = own[j]
-            cute.autovec_copy(rs, xchg[None, ct, wg, h])
-            warpgroup.fence()
-            cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, wg, x_tile], acc)
-            warpgroup.commit_group()
-            xbar.arrive_and_wait()  # both blocks are in shared memory
-            warpgroup.wait_group(1)  # slot 1 was last read by the WGMMA two groups back, the previous stage's last
-            if cutlass.const_expr(release_previous):
-                pipe.consumer_release(release)
-                release.advance()
-            cute.autovec_copy(xchg[None, ct, 1 - wg, h], rs)
-            for j in cutlass.range_constexpr(4):
-                frag[(0, j % 2, j // 2), 0, 1] = rs[j]
-            warpgroup.fence()
-            cute.gemm(tiled_mma, acc, tCrA[None, None, 1], tCrB[None, None, 1 - wg, x_tile], acc)
-            warpgroup.commit_group()
-            state.advance()
-            return state, release
-
-        @cute.jit
         def decode(self, frag, rc, rs, krows, b: cutlass.Constexpr[int]):
             if cutlass.const_expr(self.w4a8):
                 self.decode_w4a8(frag, rc, rs, krows, b)
@@ -901,26 +799,19 @@ def _kernel_class():
         @cute.jit
         def decode_w4a8(self, frag, rc, rs, krows, i: cutlass.Constexpr[int]):
             """k32 block ``i`` (16-K words 2i, 2i+1): 16 codes -> 4 E4M3x4 registers."""
-            regs = self.decode_k32(rc[(2 * i) % 4, i // 2], rc[(2 * i + 1) % 4, i // 2], rs[i], krows)
-            for j in cutlass.range_constexpr(4):
-                frag[(0, j % 2, j // 2), 0, i] = regs[j]
-
-        def decode_k32(self, q_lo, q_hi, scale_word, krows):
-            """A thread's 16 codes of one k32 block (k16 words ``q_lo``, ``q_hi``; scale word
-            ``(s[r, lo], s[r, hi], s[r+8, lo], s[r+8, hi])``) -> its 4 E4M3x4 A-fragment registers
-            (row r, row r+8) of the lo 16-K block, then of the hi one: per row k, k+1, k+8, k+9."""
-            regs = []
-            for half, q in enumerate((q_lo, q_hi)):
-                e = (scale_word >> (8 * half)) & Uint32(0x00FF00FF)
+            for half in cutlass.range_constexpr(2):
+                b = 2 * i + half
+                q = rc[b % 4, b // 4]
+                e = (rs[i] >> (8 * half)) & Uint32(0x00FF00FF)
                 sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(14 - c)
                 p = []
-                for j in range(4):
+                for j in cutlass.range_constexpr(4):
                     # f16 wants the magnitude 3 bits higher than bf16: bits 9-11 / 25-27
                     mag = rotl(q, (MAG_ROT[j] + 3) % 32) & Uint32(0x0E000E00)
                     sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
                     p.append(mul_x2_bcast(mag | sign, sc, j % 2 == 1, True))
-                regs += [f16x2x2_to_e4m3x4(p[0], p[2]), f16x2x2_to_e4m3x4(p[1], p[3])]
-            return regs
+                frag[(0, 0, half), 0, i] = f16x2x2_to_e4m3x4(p[0], p[2])  # row r: k, k+1, k+8, k+9
+                frag[(0, 1, half), 0, i] = f16x2x2_to_e4m3x4(p[1], p[3])  # row r+8
 
         @cute.jit
         def epilogue(self, acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias,
@@ -955,9 +846,9 @@ def _kernel_class():
             8 consecutive outputs of a token and writes them with one 16-byte store (element stores
             where ``N`` or the output address is not 16-byte aligned)."""
             cfg = self.cfg
-            coord = thr_mma.partition_C(cute.make_identity_tensor((ROWS, cfg.wg_tokens)))
+            coord = thr_mma.partition_C(cute.make_identity_tensor((ROWS, cfg.bn)))
             row0 = rb * ROWS
-            tok0 = by * cfg.bn + (wg * cfg.wg_tokens if cutlass.const_expr(self.shared) else 0)
+            tok0 = by * cfg.bn
             # Fragment element i = (column pair d, row half h, column group j) = (i % 2, i // 2 % 2, i // 4):
             # a thread's values span 2 weight rows and bn / 4 tokens; load each row's and token's factors once.
             alpha_row = cute.make_rmem_tensor((2,), Float32)
@@ -988,8 +879,7 @@ def _kernel_class():
             n_base = row0
             active = True
             if cutlass.const_expr(self.swiglu):
-                xchg = cute.make_tensor(cute.recast_ptr(storage.xchg.data_ptr(), dtype=Float32),
-                                        cute.make_layout((self.acc_n, 128), stride=(1, self.acc_n)))
+                xchg = storage.xchg.get_tensor(cute.make_layout((self.acc_n, 128), stride=(1, self.acc_n)))
                 if wg == 1:
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         xchg[i, ct] = acc[i]
@@ -1002,7 +892,7 @@ def _kernel_class():
                 active = wg == 0
 
             tokens = self.stage_tokens  # per pass (staging_tokens)
-            passes = cfg.wg_tokens // tokens
+            passes = cfg.bn // tokens
             base = storage.stage.data_ptr() if cutlass.const_expr(cfg.persistent) else storage.wbuf.data_ptr()
             # FP32 where the residual is added after staging, else the bf16 outputs themselves
             stage_dtype, row = (Float32, STAGE_ROW) if self.epi.residual else (cutlass.BFloat16, STAGE_ROW16)
