@@ -116,11 +116,11 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
-def bench(fh, ms=BENCH_MS, w4a8_configs=()) -> list[dict]:
-    """W4A16 vs W4A8 (+ quantization) per shape and M; ``w4a8_configs``: also W4A8 with each of
-    these ``"bn,warpgroups,stages"`` configs forced (no split-K)."""
+def bench(fh, ms=BENCH_MS, w4a8_configs=(), shapes=BENCH_SHAPES) -> list[dict]:
+    """W4A16 vs W4A8 (+ quantization) per (N', K) shape and M; ``w4a8_configs``: also W4A8 with
+    each of these ``"bn,warpgroups,stages"`` configs forced (no split-K)."""
     rows = []
-    for n, k in BENCH_SHAPES:
+    for n, k in shapes:
         torch.manual_seed(n + k)
         qw = get_format("nvfp4-w4a8").quantize_weight(torch.randn(n, k, device="cuda") * 0.05)
         preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
@@ -150,6 +150,7 @@ def main() -> None:
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--ms", type=int, nargs="+", default=list(BENCH_MS), help="token counts timed")
     p.add_argument("--w4a8-configs", nargs="*", default=[], help='also time W4A8 with these configs ("bn,warpgroups,stages")')
+    p.add_argument("--shapes", nargs="+", default=None, metavar="NxK", help="N' x K shapes timed (default: Llama-3-8B's)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     fh = open(args.out / "check_w4a8_format.log", "w")
@@ -166,7 +167,8 @@ def main() -> None:
             log(f"ERROR in {name}:\n{traceback.format_exc()}", fh)
             results[name] = False
         log(f"{name} done at {time.time() - t:.0f} s", fh)
-    bench_rows = [] if args.skip_bench else bench(fh, args.ms, args.w4a8_configs)
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else BENCH_SHAPES
+    bench_rows = [] if args.skip_bench else bench(fh, args.ms, args.w4a8_configs, shapes)
     (args.out / "check_w4a8_format.json").write_text(json.dumps(
         {"act_quant_ok": results["act_quant"], "quantlinear": results["quantlinear"], "bench": bench_rows}, indent=1))
     log("\n| N' x K | M | path | max |err|-2^-9|ref| over S | max rel | norm rel | norm rel vs other path | result |", fh)

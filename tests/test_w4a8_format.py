@@ -47,13 +47,17 @@ def layer(k: int, n: int, seed: int = 0) -> torch.nn.Linear:
 
 
 def test_crossover_rule():
-    """W4A8 from M = 256 for N' >= 6144, from M = 384 otherwise (benchmarks/notes/w4a8_format.md)."""
-    for n in (128, 4096, 6143, 6144, 8192, 57344):
-        for m in (1, 64, 255, 256, 383, 384, 1024, 4096):
-            assert w4a8.use_w4a8(m, n) == (m >= 384 or (m >= 256 and n >= 6144)), (m, n)
+    """W4A8 from M = 256 for N' >= 6144, 384 for N' >= 3072, 2048 for N' >= 2048, else 4096
+    (the H200 crossover, benchmarks/notes/w4a8_format.md)."""
+    first_m = {128: 4096, 1024: 4096, 2047: 4096, 2048: 2048, 3071: 2048, 3072: 384, 4096: 384, 6143: 384,
+               6144: 256, 8192: 256, 57344: 256}
+    for n, m_from in first_m.items():
+        for m in (1, 64, 255, 256, 383, 384, 1024, 2047, 2048, 4095, 4096, 8192):
+            assert w4a8.use_w4a8(m, n) == (m >= m_from), (m, n)
 
 
-@pytest.mark.parametrize("m,n,w4a8_path", [(255, 6144, False), (256, 6144, True), (383, 128, False), (384, 128, True)])
+@pytest.mark.parametrize("m,n,w4a8_path", [(255, 6144, False), (256, 6144, True), (383, 3072, False), (384, 3072, True),
+                                           (4095, 128, False), (4096, 128, True)])
 def test_reference_is_w4a16_below_and_w4a8_above_the_crossover(m, n, w4a8_path):
     k = 64
     lin = layer(k, n, seed=m)
@@ -75,7 +79,7 @@ def test_reference_is_w4a16_below_and_w4a8_above_the_crossover(m, n, w4a8_path):
 def test_w4a8_accumulator_matches_float64_on_zero_rows_and_bf16_inputs():
     lin = layer(128, 64, seed=3)
     qw = get_format("nvfp4-w4a8").quantize_weight(lin.weight.detach())
-    x = torch.randn(1024, 128).to(torch.bfloat16)
+    x = torch.randn(4096, 128).to(torch.bfloat16)
     x[5] = 0
     acc = w4a8.format_accumulate(x, qw)
     ref = w4a8_f64(x, qw)
@@ -106,7 +110,7 @@ def test_quantize_model_and_torch_compile_with_dynamic_tokens():
     quantize_model(model, "nvfp4-w4a8", ignore=[])
     compiled = torch.compile(model, backend="aot_eager", dynamic=True)
     with torch.no_grad():
-        for m in (3, 1024, 7):  # W4A16, W4A8, W4A16 again
+        for m in (3, 4096, 7):  # W4A16, W4A8, W4A16 again
             x = torch.randn(m, 64)
             assert torch.equal(compiled(x), model(x)), m
 
@@ -165,7 +169,7 @@ def test_cli_quantize_writes_an_nvfp4_w4a8_checkpoint(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1024, 8192])
-@pytest.mark.parametrize("m", [1, 16, 255, 256, 383, 384])
+@pytest.mark.parametrize("m", [1, 16, 255, 256, 383, 384, 4096])
 def test_gpu_quantlinear_equals_its_cpu_reference(m, n):
     """bf16 output vs the FP32 reference: one bf16 rounding plus the GPU's accumulation order."""
     lin = layer(1024, n, seed=m).to(torch.bfloat16)

@@ -1,0 +1,113 @@
+"""Where an eager prefill's time goes: for each format, one ``[batch, seq]`` forward of a random-init
+model (``quantkit bench``'s prefill) timed three ways, in the same run:
+
+* **eager**: CUDA events around the eager forward (what ``quantkit bench`` reports);
+* **graph**: the same forward captured once as a CUDA graph and replayed (no host launch path);
+* **host**: ``perf_counter`` around the eager forward's enqueue (no synchronization inside).
+
+and the forward's GPU kernel time by kernel family from ``torch.profiler``. If *eager* is well above
+*graph*, the host launch path is exposed; if *graph* is above the bf16 *graph* by less than the
+GEMM tables promise, the difference is in the kernels.
+
+Run: ``python benchmarks/prefill_breakdown.py [--formats bf16 nvfp4-w4a8] [--shape 1x2048]``.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import quantkit  # noqa: E402
+from quantkit.eval.bench import load_config, random_init_model  # noqa: E402
+
+
+def family(name: str) -> str:
+    """A short label for a CUDA kernel name."""
+    for key, label in (("Nvfp4Gemm", "nvfp4 gemm"), ("ActQuant", "w4a8 act quant"), ("Gemv", "gemv"),
+                       ("Fp8Block", "fp8-block"), ("flash", "attention"), ("fmha", "attention"),
+                       ("gemm", "cublas gemm"), ("nvjet", "cublas gemm"), ("elementwise", "elementwise"),
+                       ("reduce", "reduce")):
+        if key.lower() in name.lower():
+            return label
+    return "other"
+
+
+@torch.inference_mode()
+def breakdown(fmt: str, batch: int, seq: int, iters: int) -> dict:
+    model = random_init_model(load_config("llama-3.1-8b"), device="cuda")
+    if fmt != "bf16":
+        quantkit.quantize_model(model, format=fmt)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    fwd = lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    for _ in range(3):
+        fwd()
+    torch.cuda.synchronize()
+    eager, host = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fwd()
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        eager.append(start.elapsed_time(end) / 1e3)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fwd()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fwd()
+    graphed = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        graphed.append(start.elapsed_time(end) / 1e3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fwd()
+        torch.cuda.synchronize()
+    kernels = defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[family(ev.key)] += ev.device_time_total / 1e3  # ms
+    tokens = batch * seq
+    return {"format": fmt, "shape": f"{batch}x{seq}", "eager_ms": 1e3 * statistics.median(eager),
+            "graph_ms": 1e3 * statistics.median(graphed), "host_ms": 1e3 * statistics.median(host),
+            "eager_tok_s": tokens / statistics.median(eager), "graph_tok_s": tokens / statistics.median(graphed),
+            "kernel_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4-w4a8"])
+    ap.add_argument("--shape", default="1x2048")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    batch, seq = (int(v) for v in args.shape.split("x"))
+    rows = []
+    for fmt in args.formats:
+        rows.append(breakdown(fmt, batch, seq, args.iters))
+        torch.cuda.empty_cache()  # the model of each format is freed before the next is built
+    base = rows[0]
+    for r in rows:
+        print(f"{r['format']:>12} {r['shape']}: eager {r['eager_ms']:.2f} ms (x{base['eager_ms'] / r['eager_ms']:.2f}), "
+              f"graph {r['graph_ms']:.2f} ms (x{base['graph_ms'] / r['graph_ms']:.2f}), host enqueue {r['host_ms']:.2f} ms; "
+              "kernels ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms"].items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
