@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quantkit  # noqa: E402
 from quantkit.eval.bench import load_config, random_init_model  # noqa: E402
+from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
 
 
 def family(name: str) -> str:
@@ -58,22 +59,7 @@ def breakdown(fmt: str, batch: int, seq: int, iters: int) -> dict:
         end.record()
         end.synchronize()
         eager.append(start.elapsed_time(end) / 1e3)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fwd()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        fwd()
-    graphed = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        graphed.append(start.elapsed_time(end) / 1e3)
+    graph_s = graph_median_us([fwd], reps=iters) / 1e6
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fwd()
         torch.cuda.synchronize()
@@ -83,8 +69,8 @@ def breakdown(fmt: str, batch: int, seq: int, iters: int) -> dict:
             kernels[family(ev.key)] += ev.device_time_total / 1e3  # ms
     tokens = batch * seq
     return {"format": fmt, "shape": f"{batch}x{seq}", "eager_ms": 1e3 * statistics.median(eager),
-            "graph_ms": 1e3 * statistics.median(graphed), "host_ms": 1e3 * statistics.median(host),
-            "eager_tok_s": tokens / statistics.median(eager), "graph_tok_s": tokens / statistics.median(graphed),
+            "graph_ms": 1e3 * graph_s, "host_ms": 1e3 * statistics.median(host),
+            "eager_tok_s": tokens / statistics.median(eager), "graph_tok_s": tokens / graph_s,
             "kernel_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
