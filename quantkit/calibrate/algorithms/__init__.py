@@ -6,12 +6,10 @@ from quantkit.calibrate.algorithms.autoround import AutoRound
 from quantkit.calibrate.algorithms.awq import AWQ
 from quantkit.calibrate.algorithms.gptq import GPTQ
 from quantkit.calibrate.algorithms.mse import MSE
-from quantkit.calibrate.algorithms.normtweak import NormTweak
 from quantkit.calibrate.algorithms.rtn import RTN
 from quantkit.calibrate.algorithms.smoothquant import SmoothQuant
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (RTN, MSE, GPTQ, AutoRound, AWQ, SmoothQuant,
-                                                                     NormTweak)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (RTN, MSE, GPTQ, AutoRound, AWQ, SmoothQuant)}
 ALIASES = {"max": "rtn"}
 
 

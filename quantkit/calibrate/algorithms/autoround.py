@@ -20,9 +20,9 @@ to nearest, if none is lower). The last pass only measures the loss of the last 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
-from quantkit.calibrate.algorithms.layer_loss import output_error, quantized_layer
 from quantkit.calibrate.algorithms.mse import qdq
 from quantkit.formats import Format
 from quantkit.formats.codecs import e8m0_decode
@@ -63,24 +63,49 @@ class AutoRound(Algorithm):
         self.needs_float_targets = target == "model"
 
     def apply(self, ctx: LayerContext) -> None:
-        fmt = ctx.fmt
+        fmt, act = ctx.fmt, ctx.fmt.activation
         weights = {n: m.weight.detach().float() for n, m in ctx.linears.items()}
         scales = {n: ctx.rtn_scales(n) for n in weights}
         steps = {n: grid_step(fmt, w, *scales[n]) for n, w in weights.items()}
         offsets = {n: torch.zeros_like(w) for n, w in weights.items()}
+        input_scales = ctx.input_scales()
         target = [t.float() for t in (ctx.targets if ctx.targets is not None else ctx.run_block())]
         quantized: dict[str, torch.Tensor] = {}  # this iteration's dequantized weights, gradient leaves
+
+        def quantized_forward(name: str, linear: torch.nn.Linear):
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                if act is not None:  # straight-through: the gradient passes the rounding unchanged
+                    x = x + (act.qdq(x, input_scales.get(name)).to(x.dtype) - x).detach()
+                return F.linear(x, quantized[name].to(x.dtype), linear.bias)
+            return forward
+
+        frozen = [p for p in ctx.block.parameters() if p.requires_grad]
+        for p in frozen:  # only the quantized weights take gradients
+            p.requires_grad_(False)
+        for name, linear in ctx.linears.items():
+            linear.forward = quantized_forward(name, linear)
         best, best_loss = dict(offsets), None
-        with quantized_layer(ctx, quantized.__getitem__):
+        try:
             for it in range(self.iters + 1):
                 step = it < self.iters  # else: the last pass, loss only
-                for name, w in weights.items():
-                    quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
-                loss = output_error(ctx, target, backward=step)
+                with torch.set_grad_enabled(step):
+                    for name, w in weights.items():
+                        quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
+                    loss = 0.0
+                    for b, t in enumerate(target):
+                        err = (ctx.run_block([b])[0].float() - t).pow(2).sum()
+                        if step:
+                            err.backward()
+                        loss += err.item()
                 if best_loss is None or loss < best_loss:
                     best, best_loss = dict(offsets), loss
                 if step:  # ∂loss/∂v = ∂loss/∂ŵ · δ (straight-through), δ > 0: same sign
                     lr = self.lr * (1 - it / self.iters)
                     offsets = {n: (v - lr * quantized[n].grad.sign()).clamp(-0.5, 0.5) for n, v in offsets.items()}
+        finally:
+            for linear in ctx.linears.values():
+                del linear.forward
+            for p in frozen:
+                p.requires_grad_(True)
         for name, w in weights.items():
             ctx.qweights[name] = fmt.quantize_weight(w + best[name] * steps[name], *scales[name])

@@ -3,8 +3,7 @@
 An algorithm belongs to one *stage*; a recipe runs its algorithms stage by stage on each decoder
 layer: ``transform`` (change the float weights/norms so they quantize better, output unchanged:
 AWQ, SmoothQuant), ``scales`` (choose weight scales: MSE search), ``round`` (turn weights + scales
-into a :class:`QuantizedWeight`: RTN, GPTQ, AutoRound), ``tune`` (adjust the layer's float
-parameters to its rounded weights: norm tweaking). A recipe without a ``round`` algorithm gets RTN.
+into a :class:`QuantizedWeight`: RTN, GPTQ). A recipe without a ``round`` algorithm gets RTN.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from torch import nn
 from quantkit.calibrate.observers import InputStats
 from quantkit.formats import Format, QuantizedWeight
 
-STAGES = ("transform", "scales", "round", "tune")
+STAGES = ("transform", "scales", "round")
 
 
 @dataclass
