@@ -329,11 +329,12 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                     cfgs = [new, old]
                     if new.persistent:  # and the other tile order
                         cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
-                    for label, cfg in ((f"{mode} {c}", c) for c in cfgs):
+                    for cfg in cfgs:
                         if w4a8_mode:
-                            fns[label] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
+                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
+                                                    for p in preps]
                         else:
-                            fns[label] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
                 row = {"shape": f"{name} {n}x{k}", "m": m, "us": interleaved_us(fns)}
                 rows.append(row)
                 log("PAB " + json.dumps(row), fh)
