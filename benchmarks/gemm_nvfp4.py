@@ -450,34 +450,6 @@ def run_gemv_ab(fh):
     return rows
 
 
-def run_gemv_prefetch_ab(shapes, fh, ms=(1, 4), distances=(1, 2, 4, 8)):
-    """Decode GEMV: the rule's config against the same config asking L2 for ``prefetch`` k-tiles
-    ahead of each warp's ring, beside bf16 ``F.linear``, on every shape (and the fused SwiGLU
-    gate_up of AB_CASES); 3 interleaved rounds."""
-    rows = []
-    cases = [(n, k, Epilogue()) for name in shapes for n, k in SHAPES[name]]
-    cases += [(n, k, e) for n, k, e in AB_CASES if e.activation == "swiglu"]
-    for n, k, epi in cases:
-        qw = quantized(n, k, seed=n + k, swiglu=epi.activation == "swiglu")
-        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
-        bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
-        n_pad = preps[0].row_exp.shape[0]
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            rule = gv.pick_gemv_config(m, n_pad, k, epi)
-            fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
-            for d in (0, *distances):
-                cfg = dataclasses.replace(rule, prefetch=d)
-                fns[f"prefetch {d}"] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, epi, config=c) for p in preps]
-            row = {"shape": f"{n}x{k}", "epilogue": epi.activation, "m": m, "rule": str(rule),
-                   "us": interleaved_us(fns)}
-            rows.append(row)
-            log("PF " + json.dumps(row), fh)
-        del preps, bf16s
-        torch.cuda.empty_cache()
-    return rows
-
-
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
               ("70b", 57344, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
@@ -625,7 +597,6 @@ def main():
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
-    ap.add_argument("--gemv-prefetch-ab", action="store_true", help="only: decode GEMV with L2 prefetch distances")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
@@ -644,10 +615,6 @@ def main():
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:
             (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
-        return
-    if args.gemv_prefetch_ab:
-        with open(out / "pf.log", "w") as fh:
-            (out / "pf.json").write_text(json.dumps(run_gemv_prefetch_ab(args.shapes, fh, args.variant_ms), indent=1))
         return
     if args.gemv_ab:
         with open(out / "ab.log", "w") as fh:

@@ -10,7 +10,6 @@ Achieved TB/s counts the bytes that must move: FP8 weight + its scales + bf16 ac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,7 +22,7 @@ from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.sm90 import act_quant as aq
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg
 from quantkit.kernels.sm90 import fp8_block_gemv as fgv
-from timing import graph_median_us, interleaved_us  # noqa: E402
+from timing import graph_median_us  # noqa: E402
 
 SHAPES = {
     "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -86,43 +85,13 @@ class Problem:
                                 for i in range(self.copies)])
 
 
-def prefetch_ab(models, tokens, distances=(1, 2, 4, 8)) -> list[dict]:
-    """The rule's GEMV config against the same config asking L2 for ``prefetch`` k-tiles ahead of
-    each warp's ring, beside bf16, 3 interleaved rounds (each config checked first)."""
-    gen = torch.Generator("cuda").manual_seed(1)
-    rows = []
-    for model in models:
-        for n, k in SHAPES[model]:
-            for m in tokens:
-                prob = Problem(m, n, k, gen)
-                rule = fgv.pick_gemv_config(m, n, k, Epilogue())
-                fns = {"bf16": [(lambda i=i: torch.nn.functional.linear(prob.x[i], prob.wb[i])) for i in range(prob.copies)]}
-                for d in (0, *distances):
-                    cfg = dataclasses.replace(rule, prefetch=d)
-                    prob.check(cfg)
-                    fns[f"prefetch {d}"] = [(lambda i=i, c=cfg: fgv.fp8_block_gemv(prob.x[i], *prob.wq[i], config=c))
-                                            for i in range(prob.copies)]
-                row = dict(model=model, m=m, n=n, k=k, rule=str(rule), us=interleaved_us(fns))
-                rows.append(row)
-                print("PF " + json.dumps(row), flush=True)
-                del prob
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tune", action="store_true", help="also time every candidate config")
     parser.add_argument("--models", nargs="*", default=list(SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
-    parser.add_argument("--prefetch-ab", action="store_true", help="only: the rule's config with L2 prefetch distances")
     args = parser.parse_args()
-    if args.prefetch_ab:
-        rows = prefetch_ab(args.models, args.tokens)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gemv_fp8_block_prefetch.json").write_text(json.dumps(rows, indent=1))
-        return
     gen = torch.Generator("cuda").manual_seed(0)
     rows = []
     for model in args.models:

@@ -150,14 +150,6 @@ def _kernel_class():
             if lane == 0:
                 cp_async_4(dst + W_TILE, aux_ptr + (Int64(rb // 2) * (k // BK) + kt) * 4)
 
-        @cute.jit
-        def prefetch_weights(self, w_ptr, aux_ptr, rb, kt, lane, k):
-            """Ask L2 for rows ``64 rb ..`` x columns ``128 kt ..`` of the FP8 weight (a 128-byte bulk
-            prefetch per row, two rows per lane)."""
-            src = w_ptr + Int64(rb * ROWS) * k + kt * BK
-            for h in cutlass.range_constexpr(ROWS // 32):
-                self.prefetch_l2(src + Int64(32 * h + lane) * k, BK)
-
         def ring_views(self, storage):
             """The ring as (word, chunk, row, slot, warp) weight tiles, (word, chunk, lane c, token,
             slot, warp) activations and (slot, warp) weight-block scales."""

@@ -55,9 +55,7 @@ class GemvConfig:
     rows a ring slot holds (1, 2, 4 or 8: the most tokens it serves), ``pdl``: programmatic
     dependent launch (the weight copies of the first slots start before the previous grid ends),
     ``cluster``: the ``splits`` CTAs of a row block form one thread-block cluster and meet in
-    distributed shared memory instead of the global split-K turnstile (2..8 splits), ``prefetch``:
-    k-tiles of weights each warp asks L2 for ahead of its ring (``cp.async.bulk.prefetch.L2``; 0:
-    none), so more bytes are in flight from DRAM than the ring holds."""
+    distributed shared memory instead of the global split-K turnstile (2..8 splits)."""
 
     warps: int = 4
     tiles: int = 1
@@ -66,7 +64,6 @@ class GemvConfig:
     tokens: int = MAX_M
     pdl: bool = False
     cluster: bool = False
-    prefetch: int = 0
 
     TOKENS = (1, 2, 4, 8)  # ring-slot token counts
 
@@ -80,7 +77,6 @@ class GemvConfig:
         threads = 32 * self.warps
         if (self.tiles not in (1, 2) or self.warps % self.tiles or self.stages < 2 or self.splits < 1
                 or self.tokens not in self.TOKENS or (SWIGLU_GROUP * self.tile_tokens) % threads
-                or not 0 <= self.prefetch <= 8
                 or self.smem_bytes() > _SMEM
                 or (self.cluster and not 2 <= self.splits <= 8)):
             raise ValueError(f"unsupported GEMV config {self}")
@@ -142,12 +138,6 @@ def _kernel_class():
             "cp.async.cg.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
 
     @dsl_user_op
-    def bulk_prefetch_l2(src_gmem, nbytes: int, *, loc=None, ip=None):
-        """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16) from ``src_gmem`` into L2."""
-        llvm.inline_asm(None, [Int64(src_gmem).ir_value(loc=loc, ip=ip)],
-                        f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l", has_side_effects=True, loc=loc, ip=ip)
-
-    @dsl_user_op
     def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
         """The FP32 at shared address ``smem_addr`` of the cluster's CTA ``rank`` (``mapa`` +
         ``ld.shared::cluster``)."""
@@ -172,7 +162,6 @@ def _kernel_class():
         """One (config, epilogue, bias dtype) GEMV; call through ``cute.compile``."""
 
         copy_16 = staticmethod(cp_async_16)  # for the subclasses' ``issue_weights``
-        prefetch_l2 = staticmethod(bulk_prefetch_l2)  # and their ``prefetch_weights``
         mma = staticmethod(mma_sync)  # and their ``accumulate``
 
         def __init__(self, config: GemvConfig, epilogue: Epilogue, bias_fp32: bool):
@@ -247,16 +236,11 @@ def _kernel_class():
             acc.fill(0.0)
             frag = self.make_fragments()
 
-            # prologue: fill the ring (with PDL the weights first: no previous kernel writes them),
-            # then ask L2 for the `prefetch` k-tiles after it
+            # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
             if cutlass.const_expr(cfg.pdl):
                 for i in cutlass.range_constexpr(cfg.stages - 1):
                     if i < count:
                         self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
-            for i in cutlass.range_constexpr(cfg.stages - 1, cfg.stages - 1 + cfg.prefetch):
-                if i < count:
-                    self.prefetch_weights(w_ptr, aux_ptr, rb, my_lo + i, lane, k)
-            if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_wait()
             for i in cutlass.range_constexpr(cfg.stages - 1):
                 if i < count:
@@ -273,9 +257,6 @@ def _kernel_class():
                 if nxt < count:
                     self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
                     self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
-                if cutlass.const_expr(cfg.prefetch > 0):
-                    if nxt + cfg.prefetch < count:
-                        self.prefetch_weights(w_ptr, aux_ptr, rb, my_lo + nxt + cfg.prefetch, lane, k)
                 cute.arch.cp_async_commit_group()
                 self.accumulate(frag, acc, storage, i % cfg.stages, warp, lane)
             cute.arch.cp_async_wait_group(0)
@@ -357,12 +338,6 @@ def _kernel_class():
             src = w_ptr + (Int64(rb) * (k // ng.BK) + kt) * ng.TILE_BYTES
             for q in cutlass.range_constexpr(ng.TILE_BYTES // 512):
                 cp_async_16(dst + (32 * q + lane) * 16, src + (32 * q + lane) * 16, 16)
-
-        @cute.jit
-        def prefetch_weights(self, w_ptr, aux_ptr, rb, kt, lane, k):
-            """Ask L2 for row block ``rb``'s prepared weight tile ``kt`` (one bulk prefetch per warp)."""
-            if lane == 0:
-                self.prefetch_l2(w_ptr + (Int64(rb) * (k // ng.BK) + kt) * ng.TILE_BYTES, ng.TILE_BYTES)
 
         @cute.jit
         def issue_x(self, ring_addr, x_ptr, kt, slot, lane, m, k):
