@@ -70,11 +70,13 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
+    pingpong: bool = False  # tile_m = 64: two consumer warpgroups take alternate tiles (one's epilogue overlaps the other's mainloop)
 
     @property
     def consumer_warpgroups(self) -> int:
-        """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile."""
-        return self.tile_m // 64
+        """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile (with ``pingpong``, each
+        a whole 64-row tile of its own)."""
+        return 2 if self.pingpong else self.tile_m // 64
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this tile cannot run ``epilogue``."""
@@ -88,6 +90,8 @@ class TileConfig:
             raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
+        if self.pingpong and (self.tile_m != 64 or self.defer_epilogue):
+            raise ValueError("pingpong needs tile_m = 64 and defer_epilogue=False (the other warpgroup hides the epilogue)")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -127,10 +131,11 @@ class Fp8BlockGemmSm90:
         self.num_consumers = config.consumer_warpgroups
         self.threads_per_cta = 128 * (1 + self.num_consumers)
         self.num_mma_threads = 128 * self.num_consumers
+        self.epi_threads = 128 if config.pingpong else self.num_mma_threads  # threads sharing an output tile
+        self.stage_consumers = 1 if config.pingpong else self.num_consumers  # warpgroups reading each stage
         self.producer_regs = 40
         self.consumer_regs = 232
         self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
     # ---------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -219,7 +224,7 @@ class Fp8BlockGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged) * self.epi_bufs], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -233,7 +238,8 @@ class Fp8BlockGemmSm90:
 
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
-        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
+        self.epi_bufs = 2 if self.cfg.pingpong else 1  # output tiles in shared memory: one per warpgroup in ping-pong
+        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage * self.epi_bufs
         self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
@@ -296,7 +302,7 @@ class Fp8BlockGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.num_consumers * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.stage_consumers * 4),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
@@ -374,13 +380,23 @@ class Fp8BlockGemmSm90:
         mBias, mRes, mDS,
     ):
         wg = ctid // 128
-        thr_mma_wg = tiled_mma.get_slice(wg * 128)
+        # The thread's index in the tiled MMA: ping-pong warpgroups each run the whole (64-row) MMA
+        # on a tile of their own, through an output buffer, barrier and store warp of their own.
+        mma_tid = ctid % 128 if self.cfg.pingpong else ctid
+        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.epi_threads)
+        store_warp = warp_idx == 4
+        if cutlass.const_expr(self.cfg.pingpong):
+            buf = cute.cosize(sD.layout)  # elements of one output tile (a multiple of the 1024-byte swizzle atom)
+            sD = cute.make_tensor(sD.iterator + cute.assume(wg * buf, divby=buf), sD.layout)
+            epi_bar = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=self.epi_threads)
+            store_warp = warp_idx == 4 + 4 * wg
+        thr_mma_wg = tiled_mma.get_slice(mma_tid - mma_tid % 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
         k_blocks = cute.size(tCrA, mode=[2])
 
         # Per-thread accumulators and the coordinates (within the tile) of each of their elements.
-        thr_mma = tiled_mma.get_slice(ctid)
+        thr_mma = tiled_mma.get_slice(mma_tid)
         tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
         tmp = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
@@ -390,7 +406,7 @@ class Fp8BlockGemmSm90:
         row_hi = tCcAcc[((0, 1, 0), 0, 0)][0]
         n_frag = cute.size(acc, mode=[0]) // 4
 
-        thr_mma_out = tiled_mma_out.get_slice(ctid)
+        thr_mma_out = tiled_mma_out.get_slice(mma_tid)
         tCcOut = thr_mma_out.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.out_tile_n)))
         out = acc
         if cutlass.const_expr(self.swiglu):
@@ -400,15 +416,15 @@ class Fp8BlockGemmSm90:
         # in 32-column sub-tiles, FP8 by column pairs at their coordinates). A tile's epilogue runs once
         # the next tile's first k-tiles are issued, so it overlaps their WGMMAs (the last tile's after the loop).
         store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
         )
         r2s = None
         if cutlass.const_expr(not self.requant):
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
-            thr_r2s = tiled_copy_r2s.get_slice(ctid)
+            thr_r2s = tiled_copy_r2s.get_slice(mma_tid)
             r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
-        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, store_warp, epi_bar)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -418,9 +434,18 @@ class Fp8BlockGemmSm90:
         prev_tn = cutlass.Int32(0)
         bufs = (tmp, tmp2)
         unroll = self.cfg.unroll if self.cfg.overlap else 1
+        turn = cutlass.Int32(0)  # real tiles so far (ping-pong: warpgroup turn % 2 takes the tile)
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
-            if self._real_tile(tn, n_tiles):
+            real = self._real_tile(tn, n_tiles)
+            mine = real
+            if cutlass.const_expr(self.cfg.pingpong):
+                mine = real and turn % 2 == wg
+                if real and turn % 2 != wg:
+                    state = self._skip(state, k_tiles)  # the other warpgroup's tile
+                if real:
+                    turn += 1
+            if mine:
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
                 ops = (tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs)
@@ -442,6 +467,13 @@ class Fp8BlockGemmSm90:
             if tiles_done > 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _skip(self, state, k_tiles):
+        """``state`` advanced past ``k_tiles`` stages (a tile another warpgroup consumes)."""
+        skipped = state.clone()
+        skipped.advance(k_tiles)
+        return skipped
 
     @cute.jit
     def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None):
@@ -484,8 +516,9 @@ class Fp8BlockGemmSm90:
 
     @cute.jit
     def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
-                     store_pipe, r2s, warp_idx):
-        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
+                     store_pipe, r2s, store_warp, epi_bar):
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group (issued
+        by ``store_warp``; ``epi_bar`` syncs the threads that share the tile)."""
         m0 = tm * self.cfg.tile_m
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
@@ -493,9 +526,9 @@ class Fp8BlockGemmSm90:
         epi_tiles = cute.size(gD_epi, mode=[1])
         epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
         # The previous tile's store must have read sD before anyone overwrites it.
-        if warp_idx == 4:
+        if store_warp:
             store_pipe.producer_acquire()
-        self.epi_barrier.arrive_and_wait()
+        epi_bar.arrive_and_wait()
         if cutlass.const_expr(self.requant):
             self._store_fp8_smem(out, tCcOut, sD)
         else:
@@ -509,8 +542,8 @@ class Fp8BlockGemmSm90:
                 tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
                 cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, e)])
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.epi_barrier.arrive_and_wait()
-        if warp_idx == 4:
+        epi_bar.arrive_and_wait()
+        if store_warp:
             for e in cutlass.range_constexpr(epi_tiles):
                 cute.copy(tma_d, bSG_sD[(None, e)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
             store_pipe.producer_commit()
