@@ -434,7 +434,15 @@ class Fp8BlockGemmSm90:
         prev_tn = cutlass.Int32(0)
         bufs = (tmp, tmp2)
         unroll = self.cfg.unroll if self.cfg.overlap else 1
-        turn = cutlass.Int32(0)  # real tiles so far (ping-pong: warpgroup turn % 2 takes the tile)
+        # Ping-pong: warpgroup `turn % 2` takes the turn-th real tile. A warpgroup waits on a stage's
+        # barrier by phase parity, which cannot tell round r from r + 2, so it may start waiting on its
+        # tile only once the previous tile's warpgroup has waited for all of that tile's k-tiles (the
+        # hand-off: named barriers 3 (to warpgroup 0) and 4 (to warpgroup 1), arrive / arrive-and-wait).
+        turn = cutlass.Int32(0)
+        handoff = None
+        if cutlass.const_expr(self.cfg.pingpong):
+            inbound = pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=256)
+            handoff = (k_tiles, pipeline.NamedBarrier(barrier_id=4 - wg, num_threads=256))
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
             real = self._real_tile(tn, n_tiles)
@@ -443,6 +451,8 @@ class Fp8BlockGemmSm90:
                 mine = real and turn % 2 == wg
                 if real and turn % 2 != wg:
                     state = self._skip(state, k_tiles)  # the other warpgroup's tile
+                if mine and turn > 0:
+                    inbound.arrive_and_wait()  # the previous tile's k-tiles have all been waited for
                 if real:
                     turn += 1
             if mine:
@@ -453,9 +463,9 @@ class Fp8BlockGemmSm90:
                 # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
                 # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
                 # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap).
-                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
+                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend, handoff)
                 for kt0 in range(unroll, k_tiles, unroll):
-                    tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops)
+                    tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops, handoff=handoff)
                 if cutlass.const_expr(not self.cfg.defer_epilogue):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
@@ -466,6 +476,9 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.cfg.defer_epilogue):
             if tiles_done > 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
+        if cutlass.const_expr(self.cfg.pingpong):
+            if turn > 0 and turn % 2 == wg:
+                inbound.arrive_and_wait()  # the last tile's hand-off (every arrive is matched)
         store_pipe.producer_tail()
 
     @cute.jit
@@ -476,11 +489,12 @@ class Fp8BlockGemmSm90:
         return skipped
 
     @cute.jit
-    def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None):
+    def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None, handoff=None):
         """Mainloop k-tiles ``kt0 .. kt0 + length - 1`` in straight-line code: each k-tile's promotion
         overlaps the next one's WGMMAs (two temporaries), the last is waited for with
         wait_group(0). The first group of a tile (``pending`` given) initialises ``acc`` and runs the
-        previous tile's deferred epilogue once its first k-tiles are issued. Returns the rebound
+        previous tile's deferred epilogue once its first k-tiles are issued. ``handoff`` (k-tiles,
+        barrier): arrive on the barrier once the tile's last k-tile is issued. Returns the rebound
         ``tiled_mma`` and the consumer / read pipeline states (advanced in place, but the caller must
         rebind them: CuTeDSL carries a dynamic loop's state only through assignments)."""
         tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs = ops
@@ -491,6 +505,9 @@ class Fp8BlockGemmSm90:
                 tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
                     tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks, row_lo, row_hi)
                 read.advance()
+                if cutlass.const_expr(handoff is not None and u == length - 1):
+                    if kt0 + length == handoff[0]:
+                        handoff[1].arrive()
             if cutlass.const_expr(pending is not None and u == min(2, length) - 1):
                 deferred, tiles_done, prev_tm, prev_tn, epi = pending
                 if cutlass.const_expr(deferred):
