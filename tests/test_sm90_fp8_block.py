@@ -38,14 +38,6 @@ SIXTEEN = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
     fbg.TileConfig(128, 128, unroll=16),
 ]
-# Ping-pong consumers (each warpgroup a 64-row tile of its own): alone, with A multicast + raster
-# groups + 16-k-tile groups, with B multicast.
-PINGPONG = [
-    fbg.TileConfig(64, 128, defer_epilogue=False, pingpong=True),
-    fbg.TileConfig(64, 128, 1, 2, raster=8, unroll=16, defer_epilogue=False, pingpong=True),
-    fbg.TileConfig(64, 128, 2, 1, raster=4, defer_epilogue=False, pingpong=True),
-]
-EXTRA_CONFIGS += PINGPONG
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -178,10 +170,6 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
-    with pytest.raises(ValueError):  # ping-pong warpgroups own 64-row tiles
-        fbg.TileConfig(128, 128, defer_epilogue=False, pingpong=True).check(Epilogue())
-    with pytest.raises(ValueError):  # the other warpgroup's mainloop hides the epilogue, none is deferred
-        fbg.TileConfig(64, 128, pingpong=True).check(Epilogue())
 
 
 def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
@@ -234,12 +222,10 @@ def _ptx(tmp_path, name, compile_fn):
 def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     configs = {cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}
     # plus the code paths no dispatch entry takes (the GPU tests run every EXTRA_CONFIGS entry)
-    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN,
-                    *PINGPONG])
+    configs.update([fbg.TileConfig(128, 128, overlap=False), fbg.TileConfig(128, 128, defer_epilogue=False), *SIXTEEN])
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
-    jobs += [(PINGPONG[1], epi) for epi in EPILOGUES[1:]]
     for i, (cfg, epi) in enumerate(jobs):
         ptx = _ptx(tmp_path, f"gemm{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx
@@ -458,15 +444,6 @@ def test_gpu_16_tile_groups_match_float64_and_8_tile_groups(m, n, k):
 @pytest.mark.parametrize("epi", EPILOGUES[1:3], ids=str)
 def test_gpu_16_tile_group_epilogues_match_float64(epi, cfg):
     _check_epilogue(1000, epi, cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", PINGPONG, ids=str)
-@pytest.mark.parametrize("epi", EPILOGUES[1:], ids=str)
-@pytest.mark.parametrize("m", [7, 1000])
-def test_gpu_pingpong_epilogues_match_float64(m, epi, cfg):
-    """Each ping-pong warpgroup's epilogue through its own output buffer, barrier and store warp."""
-    _check_epilogue(m, epi, cfg)
 
 
 @pytest.mark.gpu

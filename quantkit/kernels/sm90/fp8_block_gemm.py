@@ -70,13 +70,11 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
-    pingpong: bool = False  # tile_m = 64: two consumer warpgroups take alternate tiles (one's epilogue overlaps the other's mainloop)
 
     @property
     def consumer_warpgroups(self) -> int:
-        """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile (with ``pingpong``, each
-        a whole 64-row tile of its own)."""
-        return 2 if self.pingpong else self.tile_m // 64
+        """Consumer warpgroups per CTA, each owning a ``64 x tile_n`` sub-tile."""
+        return self.tile_m // 64
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this tile cannot run ``epilogue``."""
@@ -90,8 +88,6 @@ class TileConfig:
             raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
-        if self.pingpong and (self.tile_m != 64 or self.defer_epilogue):
-            raise ValueError("pingpong needs tile_m = 64 and defer_epilogue=False (the other warpgroup hides the epilogue)")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -131,11 +127,10 @@ class Fp8BlockGemmSm90:
         self.num_consumers = config.consumer_warpgroups
         self.threads_per_cta = 128 * (1 + self.num_consumers)
         self.num_mma_threads = 128 * self.num_consumers
-        self.epi_threads = 128 if config.pingpong else self.num_mma_threads  # threads sharing an output tile
-        self.stage_consumers = 1 if config.pingpong else self.num_consumers  # warpgroups reading each stage
         self.producer_regs = 40
         self.consumer_regs = 232
         self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
     # ---------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -224,7 +219,7 @@ class Fp8BlockGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)], 1024]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_staged)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged) * self.epi_bufs], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_staged)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -238,8 +233,7 @@ class Fp8BlockGemmSm90:
 
     def _make_smem_layouts(self) -> None:
         bytes_ab = (self.cfg.tile_m + self.cfg.tile_n) * BLOCK + self.cfg.tile_m * 4
-        self.epi_bufs = 2 if self.cfg.pingpong else 1  # output tiles in shared memory: one per warpgroup in ping-pong
-        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage * self.epi_bufs
+        bytes_epi = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(8, (self.smem_capacity - 2048 - bytes_epi) // bytes_ab)
 
         def staged(rows: int, dtype, major_size: int, shape, order):
@@ -302,7 +296,7 @@ class Fp8BlockGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.stage_consumers * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.num_consumers * 4),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
@@ -380,23 +374,13 @@ class Fp8BlockGemmSm90:
         mBias, mRes, mDS,
     ):
         wg = ctid // 128
-        # The thread's index in the tiled MMA: ping-pong warpgroups each run the whole (64-row) MMA
-        # on a tile of their own, through an output buffer, barrier and store warp of their own.
-        mma_tid = ctid % 128 if self.cfg.pingpong else ctid
-        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.epi_threads)
-        store_warp = warp_idx == 4
-        if cutlass.const_expr(self.cfg.pingpong):
-            buf = cute.cosize(sD.layout)  # elements of one output tile (a multiple of the 1024-byte swizzle atom)
-            sD = cute.make_tensor(sD.iterator + cute.assume(wg * buf, divby=buf), sD.layout)
-            epi_bar = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=self.epi_threads)
-            store_warp = warp_idx == 4 + 4 * wg
-        thr_mma_wg = tiled_mma.get_slice(mma_tid - mma_tid % 128)
+        thr_mma_wg = tiled_mma.get_slice(wg * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
         k_blocks = cute.size(tCrA, mode=[2])
 
         # Per-thread accumulators and the coordinates (within the tile) of each of their elements.
-        thr_mma = tiled_mma.get_slice(mma_tid)
+        thr_mma = tiled_mma.get_slice(ctid)
         tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
         tmp = cute.make_rmem_tensor(tCcAcc.shape, self.acc_dtype)
@@ -406,7 +390,7 @@ class Fp8BlockGemmSm90:
         row_hi = tCcAcc[((0, 1, 0), 0, 0)][0]
         n_frag = cute.size(acc, mode=[0]) // 4
 
-        thr_mma_out = tiled_mma_out.get_slice(mma_tid)
+        thr_mma_out = tiled_mma_out.get_slice(ctid)
         tCcOut = thr_mma_out.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.out_tile_n)))
         out = acc
         if cutlass.const_expr(self.swiglu):
@@ -416,15 +400,15 @@ class Fp8BlockGemmSm90:
         # in 32-column sub-tiles, FP8 by column pairs at their coordinates). A tile's epilogue runs once
         # the next tile's first k-tiles are issued, so it overlaps their WGMMAs (the last tile's after the loop).
         store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
         r2s = None
         if cutlass.const_expr(not self.requant):
             copy_r2s = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
-            thr_r2s = tiled_copy_r2s.get_slice(mma_tid)
+            thr_r2s = tiled_copy_r2s.get_slice(ctid)
             r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
-        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, store_warp, epi_bar)
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -434,28 +418,9 @@ class Fp8BlockGemmSm90:
         prev_tn = cutlass.Int32(0)
         bufs = (tmp, tmp2)
         unroll = self.cfg.unroll if self.cfg.overlap else 1
-        # Ping-pong: warpgroup `turn % 2` takes the turn-th real tile. A warpgroup waits on a stage's
-        # barrier by phase parity, which cannot tell round r from r + 2, so it may start waiting on its
-        # tile only once the previous tile's warpgroup has waited for all of that tile's k-tiles (the
-        # hand-off: named barriers 3 (to warpgroup 0) and 4 (to warpgroup 1), arrive / arrive-and-wait).
-        turn = cutlass.Int32(0)
-        handoff = None
-        if cutlass.const_expr(self.cfg.pingpong):
-            inbound = pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=256)
-            handoff = (k_tiles, pipeline.NamedBarrier(barrier_id=4 - wg, num_threads=256))
         while work.is_valid_tile:
             tm, tn, _ = work.tile_idx
-            real = self._real_tile(tn, n_tiles)
-            mine = real
-            if cutlass.const_expr(self.cfg.pingpong):
-                mine = real and turn % 2 == wg
-                if real and turn % 2 != wg:
-                    state = self._skip(state, k_tiles)  # the other warpgroup's tile
-                if mine and turn > 0:
-                    inbound.arrive_and_wait()  # the previous tile's k-tiles have all been waited for
-                if real:
-                    turn += 1
-            if mine:
+            if self._real_tile(tn, n_tiles):
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
                 ops = (tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs)
@@ -463,9 +428,9 @@ class Fp8BlockGemmSm90:
                 # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
                 # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
                 # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap).
-                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend, handoff)
+                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
                 for kt0 in range(unroll, k_tiles, unroll):
-                    tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops, handoff=handoff)
+                    tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops)
                 if cutlass.const_expr(not self.cfg.defer_epilogue):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
@@ -476,25 +441,14 @@ class Fp8BlockGemmSm90:
         if cutlass.const_expr(self.cfg.defer_epilogue):
             if tiles_done > 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
-        if cutlass.const_expr(self.cfg.pingpong):
-            if turn > 0 and turn % 2 == wg:
-                inbound.arrive_and_wait()  # the last tile's hand-off (every arrive is matched)
         store_pipe.producer_tail()
 
     @cute.jit
-    def _skip(self, state, k_tiles):
-        """``state`` advanced past ``k_tiles`` stages (a tile another warpgroup consumes)."""
-        skipped = state.clone()
-        skipped.advance(k_tiles)
-        return skipped
-
-    @cute.jit
-    def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None, handoff=None):
+    def _group(self, tiled_mma, state, read, kt0, length: cutlass.Constexpr[int], ops, pending=None):
         """Mainloop k-tiles ``kt0 .. kt0 + length - 1`` in straight-line code: each k-tile's promotion
         overlaps the next one's WGMMAs (two temporaries), the last is waited for with
         wait_group(0). The first group of a tile (``pending`` given) initialises ``acc`` and runs the
-        previous tile's deferred epilogue once its first k-tiles are issued. ``handoff`` (k-tiles,
-        barrier): arrive on the barrier once the tile's last k-tile is issued. Returns the rebound
+        previous tile's deferred epilogue once its first k-tiles are issued. Returns the rebound
         ``tiled_mma`` and the consumer / read pipeline states (advanced in place, but the caller must
         rebind them: CuTeDSL carries a dynamic loop's state only through assignments)."""
         tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs = ops
@@ -505,9 +459,6 @@ class Fp8BlockGemmSm90:
                 tiled_mma, s_lo[u], s_hi[u] = self._issue_k_tile(
                     tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks, row_lo, row_hi)
                 read.advance()
-                if cutlass.const_expr(handoff is not None and u == length - 1):
-                    if kt0 + length == handoff[0]:
-                        handoff[1].arrive()
             if cutlass.const_expr(pending is not None and u == min(2, length) - 1):
                 deferred, tiles_done, prev_tm, prev_tn, epi = pending
                 if cutlass.const_expr(deferred):
@@ -533,9 +484,8 @@ class Fp8BlockGemmSm90:
 
     @cute.jit
     def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
-                     store_pipe, r2s, store_warp, epi_bar):
-        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group (issued
-        by ``store_warp``; ``epi_bar`` syncs the threads that share the tile)."""
+                     store_pipe, r2s, warp_idx):
+        """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
         m0 = tm * self.cfg.tile_m
         self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
@@ -543,9 +493,9 @@ class Fp8BlockGemmSm90:
         epi_tiles = cute.size(gD_epi, mode=[1])
         epi_grid = cute.make_layout(gD_epi.shape[1], stride=(gD_epi.shape[1][1], 1))
         # The previous tile's store must have read sD before anyone overwrites it.
-        if store_warp:
+        if warp_idx == 4:
             store_pipe.producer_acquire()
-        epi_bar.arrive_and_wait()
+        self.epi_barrier.arrive_and_wait()
         if cutlass.const_expr(self.requant):
             self._store_fp8_smem(out, tCcOut, sD)
         else:
@@ -559,8 +509,8 @@ class Fp8BlockGemmSm90:
                 tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
                 cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, e)])
         cute.arch.fence_proxy("async.shared", space="cta")
-        epi_bar.arrive_and_wait()
-        if store_warp:
+        self.epi_barrier.arrive_and_wait()
+        if warp_idx == 4:
             for e in cutlass.range_constexpr(epi_tiles):
                 cute.copy(tma_d, bSG_sD[(None, e)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
             store_pipe.producer_commit()
