@@ -51,7 +51,6 @@ AB_VARIANTS = {
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
     "unroll16": lambda cfg: replace(cfg, unroll=16 if cfg.unroll != 16 else 8),
-    "lean": lambda cfg: replace(cfg, lean_requant=not cfg.lean_requant),
 }
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without

@@ -447,13 +447,6 @@ def test_gpu_16_tile_group_epilogues_match_float64(epi, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 129, 4096])
-def test_gpu_lean_requant_within_one_fp8_ulp(m):
-    epi = EPILOGUES[1]
-    _check_epilogue(m, epi, replace(fbg.pick_config(m, 512, 1024, epi), lean_requant=True))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("epi", EPILOGUES, ids=str)
 @pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
 def test_gpu_epilogues_match_float64(m, epi):
