@@ -1,7 +1,8 @@
 """Where an eager prefill's time goes: for each format, one ``[batch, seq]`` forward of a random-init
 model (``quantkit bench``'s prefill) timed three ways, in the same run:
 
-* **eager**: CUDA events around the eager forward (what ``quantkit bench`` reports);
+* **eager**: ``quantkit bench``'s own timer (:func:`quantkit.eval.bench.time_call`: CUDA events
+  around the eager forward, L2 flushed before each);
 * **graph**: the same forward captured once as a CUDA graph and replayed (no host launch path);
 * **host**: ``perf_counter`` around the eager forward's enqueue (no synchronization inside).
 
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quantkit  # noqa: E402
-from quantkit.eval.bench import load_config, random_init_model  # noqa: E402
+from quantkit.eval.bench import load_config, random_init_model, time_call  # noqa: E402
 from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
 
 
@@ -46,19 +47,14 @@ def breakdown(fmt: str, batch: int, seq: int, iters: int) -> dict:
         quantkit.quantize_model(model, format=fmt)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     fwd = lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
-    for _ in range(3):
-        fwd()
-    torch.cuda.synchronize()
-    eager, host = [], []
+    eager_s = time_call(fwd, warmup=3, iters=iters, device=ids.device)
+    host = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         fwd()
         host.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        eager.append(start.elapsed_time(end) / 1e3)
+    torch.cuda.synchronize()
     graph_s = graph_median_us([fwd], reps=iters) / 1e6
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fwd()
@@ -68,9 +64,9 @@ def breakdown(fmt: str, batch: int, seq: int, iters: int) -> dict:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[family(ev.key)] += ev.device_time_total / 1e3  # ms
     tokens = batch * seq
-    return {"format": fmt, "shape": f"{batch}x{seq}", "eager_ms": 1e3 * statistics.median(eager),
+    return {"format": fmt, "shape": f"{batch}x{seq}", "eager_ms": 1e3 * eager_s,
             "graph_ms": 1e3 * graph_s, "host_ms": 1e3 * statistics.median(host),
-            "eager_tok_s": tokens / statistics.median(eager), "graph_tok_s": tokens / graph_s,
+            "eager_tok_s": tokens / eager_s, "graph_tok_s": tokens / graph_s,
             "kernel_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 

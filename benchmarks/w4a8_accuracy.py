@@ -115,14 +115,14 @@ def main() -> None:
     with mock.patch.object(w4a8, "use_w4a8", lambda m, n: True):  # W4A8 in every layer
         record("nvfp4-w4a8", models["nvfp4-w4a8"], args.batch)
         assert results["nvfp4-w4a8"]["calls"]["w4a16"] == 0
-        ablations = (("w4a8 weights only", "quantize_activation", exact_activation),
-                     ("w4a8 activations only", "weight_to_fp8", exact_weight))
-        for key, name, fn in ablations if args.split else ():
-            for m in models["nvfp4-w4a8"].modules():
-                if isinstance(m, QuantLinear):
-                    m.qweight.layouts.pop("w4a8", None)  # the cached E4M3 weight
-            with mock.patch.object(w4a8, name, fn):
-                record(key, models["nvfp4-w4a8"], args.batch)
+        if args.split:
+            for key, name, fn in (("w4a8 weights only", "quantize_activation", exact_activation),
+                                  ("w4a8 activations only", "weight_to_fp8", exact_weight)):
+                for m in models["nvfp4-w4a8"].modules():
+                    if isinstance(m, QuantLinear):
+                        m.qweight.layouts.pop("w4a8", None)  # the cached E4M3 weight
+                with mock.patch.object(w4a8, name, fn):
+                    record(key, models["nvfp4-w4a8"], args.batch)
     print("\n| model | tokens per forward | Linear calls W4A8 / W4A16 | WikiText-2 ppl |\n|---|---|---|---|")
     for key, row in results.items():
         if key != "setup":
