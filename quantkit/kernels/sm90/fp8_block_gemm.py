@@ -659,12 +659,6 @@ def _fp8_group_scale(amax):
     return scale, 1.0 / scale
 
 
-@cute.jit
-def _clamp_fp8(q):
-    """``q`` clamped to the E4M3 range +-448."""
-    return -cute.arch.fmax(-cute.arch.fmax(q, cutlass.Float32(-FP8_MAX)), cutlass.Float32(-FP8_MAX))
-
-
 # ==================================================================== host side
 # Measured dispatch (H200, benchmarks/gemm_fp8_block.py --tune / --tune-rows; benchmarks/notes/fp8_block.md):
 # the fastest of the candidate tiles at M = 1, 16, 64, 128, 512, 4096 (8192 for 8192x8192), used for

@@ -105,7 +105,12 @@ def _kernel_class():
     from cutlass.cutlass_dsl import T, dsl_user_op
 
     from quantkit.kernels.sm90.act_quant import div_rn, lifted_divisor
-    from quantkit.kernels.sm90.fp8_block_gemm import FP8_MAX, _clamp_fp8
+    from quantkit.kernels.sm90.fp8_block_gemm import FP8_MAX
+
+    @cute.jit
+    def clamp_fp8(q):
+        """``q`` clamped to the E4M3 range +-448."""
+        return -cute.arch.fmax(-cute.arch.fmax(q, Float32(-FP8_MAX)), Float32(-FP8_MAX))
 
     @dsl_user_op
     def cp_async_4(dst_smem, src_gmem, *, loc=None, ip=None):
@@ -197,7 +202,7 @@ def _kernel_class():
                 scale = num / FP8_MAX
                 lift, b, inv = lifted_divisor(scale)
                 for w in cutlass.range_constexpr(8):
-                    rq[w, f] = pack_e4m3x4(*[_clamp_fp8(div_rn(xv[4 * w + i] * lift, b, inv)) for i in range(4)])
+                    rq[w, f] = pack_e4m3x4(*[clamp_fp8(div_rn(xv[4 * w + i] * lift, b, inv)) for i in range(4)])
                 fac[0, f] = cute.arch.shuffle_sync(scale, 8 * c) * ws  # token 8f + 2c's scale (lane 4 * 2c)
                 fac[1, f] = cute.arch.shuffle_sync(scale, 8 * c + 4) * ws
 
