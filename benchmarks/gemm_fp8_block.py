@@ -7,7 +7,7 @@ copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and 
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
-``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, unroll16) times only those rows, each
+``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, unroll16, early_bias) times only those rows, each
 dispatch config against those variants;
 ``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
 quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm).
@@ -45,12 +45,14 @@ TUNE_M = (1, 16, 64, 128, 512, 4096)
 EPILOGUE_ROWS = [(8192, 8192, 8192), (4096, 28672, 4096), (4096, 4096, 4096), (4096, 24576, 1536), (16, 4096, 4096)]
 # Same-run A/B variants of a large-M dispatch config (--ab): the deferred epilogue flipped, the
 # overlapped mainloop's straight-line groups (one wait_group(0) per group) of 4 k-tiles, or of 16
-# against 8, or SiLU through tanh.approx (one MUFU op per element) against ex2 + rcp.
+# against 8, SiLU through tanh.approx (one MUFU op per element) against ex2 + rcp, or the bias
+# loaded as the tile's mainloop starts against in its epilogue (a control on the bare GEMM rows).
 AB_VARIANTS = {
     "defer": lambda cfg: replace(cfg, defer_epilogue=not cfg.defer_epilogue),
     "unroll": lambda cfg: replace(cfg, unroll=8 if cfg.unroll == 4 else 4),
     "tanh": lambda cfg: replace(cfg, act_tanh=not cfg.act_tanh),
     "unroll16": lambda cfg: replace(cfg, unroll=16 if cfg.unroll != 16 else 8),
+    "early_bias": lambda cfg: replace(cfg, early_bias=not cfg.early_bias),
 }
 # Large-M variants: raster groups (L2 reuse), 2-CTA multicast of A (1x2) or B (2x1), 192-column
 # tiles (no overlap). Call 1 of session 2 also timed raster 4/16 without clusters, 128x128 without

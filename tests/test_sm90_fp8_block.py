@@ -48,6 +48,14 @@ EPILOGUES = [
 ]
 
 
+def _valid(cfg: fbg.TileConfig, epi: Epilogue) -> bool:
+    try:
+        cfg.check(epi)
+    except ValueError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- float64 oracles
 # Non-negative E4M3 values in order; index parity = mantissa parity (so ties go to the even index).
 E4M3_GRID = torch.tensor(
@@ -226,6 +234,7 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
+    jobs += [(replace(fbg.pick_config(m, 4096, 4096, EPILOGUES[1]), early_bias=True), EPILOGUES[1]) for m in (16, 4096)]
     for i, (cfg, epi) in enumerate(jobs):
         ptx = _ptx(tmp_path, f"gemm{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx
@@ -453,6 +462,32 @@ def test_gpu_epilogues_match_float64(m, epi):
     _check_epilogue(m, epi)
 
 
+# Bias loaded into registers as each tile's mainloop starts: deferred and immediate epilogues,
+# clusters, 64/128/192-column tiles (N' = 512 ends mid-tile for 192), FP32 bias (loaded late).
+EARLY_BIAS = [
+    (replace(cfg, early_bias=True), epi)
+    for cfg in (fbg.TileConfig(64, 64), fbg.TileConfig(64, 128, 1, 2, unroll=4), fbg.TileConfig(128, 64),
+                fbg.TileConfig(128, 128, unroll=16, defer_epilogue=False),
+                fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
+                fbg.TileConfig(128, 128, 2, 1, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4))
+    for epi in EPILOGUES if epi.bias and _valid(cfg, epi)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cfg", "epi"), EARLY_BIAS, ids=str)
+@pytest.mark.parametrize("m", [7, 1000])
+def test_gpu_early_bias_matches_float64(m, cfg, epi):
+    _check_epilogue(m, epi, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [129])
+def test_gpu_early_bias_fp32_bias_matches_float64(m):
+    _check_epilogue(m, Epilogue(bias=True, activation="silu"), fbg.TileConfig(128, 128, unroll=16, early_bias=True),
+                    bias_dtype=torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("m", [7, 4096])
@@ -463,7 +498,7 @@ def test_gpu_exp_activation_matches_float64(m, act):
     _check_epilogue(m, epi, replace(fbg.pick_config(m, 512, 1024, epi), act_tanh=False))
 
 
-def _check_epilogue(m, epi, config=None):
+def _check_epilogue(m, epi, config=None, bias_dtype=torch.bfloat16):
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 11)
     x = torch.randn(m, k, generator=gen, device="cuda")
@@ -473,7 +508,7 @@ def _check_epilogue(m, epi, config=None):
     xq, xs = fp8.quantize(x, (1, 128))
     wq, ws = fp8.quantize(w, (128, 128))
     n_out = n // 2 if epi.activation == "swiglu" else n
-    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
+    bias = torch.randn(n, generator=gen, device="cuda").to(bias_dtype) if epi.bias else None
     res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
     ref = gemm_f64(xq, xs, wq, ws, epi, bias, res)
     poisoned = None if epi.requant else torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -70,6 +70,7 @@ class TileConfig:
     raster: int = 1  # tile order: groups of `raster` N-clusters walked M-tile by M-tile (1: all M, then the next N)
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
+    early_bias: bool = False  # a tile's bias is loaded into registers as its mainloop starts (False: in its epilogue)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -408,7 +409,12 @@ class Fp8BlockGemmSm90:
             tiled_copy_r2s = cute.make_tiled_copy_S(copy_r2s, cute.make_tiled_copy_C_atom(copy_r2s, tiled_mma_out))
             thr_r2s = tiled_copy_r2s.get_slice(ctid)
             r2s = (tiled_copy_r2s, thr_r2s.partition_D(sD), tiled_copy_r2s.retile(out), cute.shape(thr_r2s.partition_S(sD))[:3])
-        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
+        # early_bias: the current tile's bias, one bf16x2 register per fragment block (an FP32 bias would
+        # take 32 registers and spill: it is loaded in the epilogue).
+        bias_frag = None
+        if cutlass.const_expr(self.epi.bias and self.cfg.early_bias and self.bias_dtype == cutlass.BFloat16):
+            bias_frag = cute.make_rmem_tensor(cute.make_layout((2, n_frag)), self.bias_dtype)
+        epi = (out, tCcAcc, tCcOut, n_frag, mD.shape[0], mBias, bias_frag, mRes, mDS, sD, gD, tma_d, store_pipe, r2s, warp_idx)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -424,7 +430,7 @@ class Fp8BlockGemmSm90:
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
                 ops = (tCrA, tCrB, k_blocks, ab_pipe, sSA, mSB, seg_blocks, row_lo, row_hi, n_frag, acc, bufs)
-                pend = (self.cfg.defer_epilogue, tiles_done, prev_tm, prev_tn, epi)  # the previous tile's epilogue
+                pend = (self.cfg.defer_epilogue, tiles_done, prev_tm, prev_tn, tn, epi)  # the previous tile's epilogue
                 # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
                 # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
                 # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap).
@@ -460,10 +466,13 @@ class Fp8BlockGemmSm90:
                     tiled_mma, bufs[u % 2], tCrA, tCrB, k_blocks, ab_pipe, read, kt0 + u, sSA, mSB, seg_blocks, row_lo, row_hi)
                 read.advance()
             if cutlass.const_expr(pending is not None and u == min(2, length) - 1):
-                deferred, tiles_done, prev_tm, prev_tn, epi = pending
+                deferred, tiles_done, prev_tm, prev_tn, tn, epi = pending
                 if cutlass.const_expr(deferred):
                     if tiles_done > 0:
                         self._finish_tile(acc, prev_tm, prev_tn, *epi)
+                bias_frag, mBias, tCcAcc = epi[6], epi[5], epi[1]
+                if cutlass.const_expr(bias_frag is not None):
+                    self._load_bias(bias_frag, tn, mBias, tCcAcc, n_frag)
             if cutlass.const_expr(u > 0):
                 cute.nvgpu.warpgroup.wait_group(1 if u < length else 0)
                 ab_pipe.consumer_release(state)
@@ -483,11 +492,11 @@ class Fp8BlockGemmSm90:
         return tiled_mma, s_lo, s_hi
 
     @cute.jit
-    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, mRes, mDS, sD, gD, tma_d,
+    def _finish_tile(self, acc, tm, tn, out, tCcAcc, tCcOut, n_frag, m_total, mBias, bias_frag, mRes, mDS, sD, gD, tma_d,
                      store_pipe, r2s, warp_idx):
         """Epilogue of tile (tm, tn): math in registers, the tile into sD, one TMA store group."""
         m0 = tm * self.cfg.tile_m
-        self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS)
+        self._epilogue_math(acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, bias_frag, mRes, mDS)
         gD_epi = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
         epi_tiles = cute.size(gD_epi, mode=[1])
@@ -570,15 +579,32 @@ class Fp8BlockGemmSm90:
                         acc[((c, h, j), 0, 0)] = acc[((c, h, j), 0, 0)] + tmp[((c, h, j), 0, 0)] * s
 
     @cute.jit
-    def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, mRes, mDS):
-        """In registers: bias, activation (SwiGLU writes ``out``), residual, requant (FP32 in/out)."""
+    def _load_bias(self, bias_frag, tn, mBias, tCcAcc, n_frag):
+        """``bias_frag[:, j]``: the bias of the column pair of this thread's fragment block ``j`` in
+        N-tile ``tn`` (left unset past ``N'``; the epilogue skips those)."""
+        n0 = tn * self.cfg.tile_n
+        bias_pairs = cute.zipped_divide(mBias, (2,))  # columns (2p, 2p + 1) of a thread are adjacent
+        for j in cutlass.range_constexpr(n_frag):
+            n = n0 + tCcAcc[((0, 0, j), 0, 0)][1]
+            if n < mBias.shape[0]:
+                pair = bias_pairs[(None, n // 2)].load()
+                for c in cutlass.range_constexpr(2):
+                    bias_frag[c, j] = pair[c]
+
+    @cute.jit
+    def _epilogue_math(self, acc, out, tCcAcc, tCcOut, n_frag, m0, tn, m_total, mBias, bias_frag, mRes, mDS):
+        """In registers: bias (from ``bias_frag`` if loaded early), activation (SwiGLU writes ``out``),
+        residual, requant (FP32 in/out)."""
         n0 = tn * self.cfg.tile_n
         if cutlass.const_expr(self.epi.bias):
             bias_pairs = cute.zipped_divide(mBias, (2,))  # columns (2p, 2p + 1) of a thread are adjacent
             for j in cutlass.range_constexpr(n_frag):
                 n = n0 + tCcAcc[((0, 0, j), 0, 0)][1]
                 if n < mBias.shape[0]:
-                    b = bias_pairs[(None, n // 2)].load().to(cutlass.Float32)
+                    if cutlass.const_expr(bias_frag is not None):
+                        b = bias_frag[(None, j)].load().to(cutlass.Float32)
+                    else:
+                        b = bias_pairs[(None, n // 2)].load().to(cutlass.Float32)
                     for h in cutlass.range_constexpr(2):
                         for c in cutlass.range_constexpr(2):
                             acc[((c, h, j), 0, 0)] = acc[((c, h, j), 0, 0)] + b[c]
