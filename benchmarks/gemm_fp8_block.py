@@ -148,6 +148,7 @@ def main() -> None:
                         help="with --tune-rows: time each row's dispatch config against these AB_VARIANTS variants "
                              "(also for the epilogue rows), and stop after those rows")
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
+    parser.add_argument("--rounds", type=int, default=1, help="time the epilogue rows' variants this many times, interleaved")
     args = parser.parse_args()
     if args.ab and args.tune_rows is None:
         parser.error("--ab needs --tune-rows M (the rows it compares)")
@@ -217,11 +218,11 @@ def main() -> None:
             variants = (picked,)
             if args.ab:
                 variants = _ab_candidates(picked, args.ab)
-            for epi_cfg in variants:
+            for rnd, epi_cfg in [(r, c) for r in range(args.rounds) for c in variants]:  # variants interleaved per round
                 t_epi = prob.ours(epi_cfg, epi, bias)
                 t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
                 t_same = prob.ours(epi_cfg)  # the bare GEMM in the epilogue's config
-                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), bare_us=t_ours, bare_same_cfg_us=t_same,
+                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), round=rnd, bare_us=t_ours, bare_same_cfg_us=t_same,
                                                 bias_silu_us=t_silu, bias_silu_requant_us=t_epi))
                 print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
                       f" bare {t_ours:8.1f} us (same config {t_same:8.1f}): x{t_epi / t_ours:.3f}, x{t_silu / t_ours:.3f}",
