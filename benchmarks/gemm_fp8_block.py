@@ -65,8 +65,13 @@ LARGE_CANDIDATES = [
 
 
 def _ab_candidates(picked: fbg.TileConfig, names: list[str]) -> list[fbg.TileConfig]:
-    """``picked`` and its ``names`` variants, without repeats."""
-    return list(dict.fromkeys([picked, *(AB_VARIANTS[v](picked) for v in names)]))
+    """``picked`` and its ``names`` variants (``a+b``: both applied), without repeats."""
+    def variant(name: str) -> fbg.TileConfig:
+        cfg = picked
+        for part in name.split("+"):
+            cfg = AB_VARIANTS[part](cfg)
+        return cfg
+    return list(dict.fromkeys([picked, *(variant(v) for v in names)]))
 
 
 def gemm_f64(xq, xs, wq, ws):
@@ -144,14 +149,17 @@ def main() -> None:
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
                         help="only these (N, K) weight shapes (tuning and table rows)")
-    parser.add_argument("--ab", choices=sorted(AB_VARIANTS), nargs="+", default=None,
-                        help="with --tune-rows: time each row's dispatch config against these AB_VARIANTS variants "
-                             "(also for the epilogue rows), and stop after those rows")
+    parser.add_argument("--ab", nargs="+", default=None, metavar="VARIANT",
+                        help=f"with --tune-rows: time each row's dispatch config against these variants ({', '.join(AB_VARIANTS)}; "
+                             "a+b combines two) (also for the epilogue rows), and stop after those rows")
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
     parser.add_argument("--rounds", type=int, default=1, help="time the epilogue rows' variants this many times, interleaved")
     args = parser.parse_args()
     if args.ab and args.tune_rows is None:
         parser.error("--ab needs --tune-rows M (the rows it compares)")
+    unknown = {part for v in args.ab or () for part in v.split("+")} - set(AB_VARIANTS)
+    if unknown:
+        parser.error(f"unknown --ab variant(s) {sorted(unknown)}; choose from {sorted(AB_VARIANTS)}")
     gen = torch.Generator("cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 
