@@ -190,6 +190,14 @@ def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypat
     assert [(c.unroll, c.overlap) for c in got] == [(16, True), (8, True), (4, True), (16, False)]
 
 
+def test_pick_config_loads_the_bias_early_except_for_immediate_bf16_epilogues():
+    silu, requant = Epilogue(bias=True, activation="silu"), EPILOGUES[1]
+    assert fbg.pick_config(16, 4096, 4096, silu).early_bias  # deferred epilogue
+    assert not fbg.pick_config(4096, 4096, 4096, silu).early_bias  # immediate epilogue, bf16 out
+    assert fbg.pick_config(4096, 4096, 4096, requant).early_bias
+    assert not fbg.pick_config(4096, 4096, 4096, requant).defer_epilogue
+
+
 def test_pick_config_gives_requant_a_128_column_tile():
     cfg = fbg.TileConfig(128, 192, overlap=False, raster=4)
     fbg._DISPATCH[(512, 1024)] = tuple((m, cfg) for m, _ in fbg._DEFAULT)
@@ -234,7 +242,8 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
     jobs = [(cfg, Epilogue()) for cfg in sorted(configs, key=str)]
     jobs += [(fbg.pick_config(4096, 4096, 4096, epi), epi) for epi in EPILOGUES[1:]]
     jobs += [(replace(fbg.pick_config(4096, 4096, 4096, EPILOGUES[1]), act_tanh=False), EPILOGUES[1])]
-    jobs += [(replace(fbg.pick_config(m, 4096, 4096, EPILOGUES[1]), early_bias=True), EPILOGUES[1]) for m in (16, 4096)]
+    jobs += [(fbg.pick_config(16, 4096, 4096, EPILOGUES[2]), EPILOGUES[2])]  # deferred epilogue, bias loaded early
+    jobs += [(replace(fbg.pick_config(16, 4096, 4096, EPILOGUES[1]), early_bias=False), EPILOGUES[1])]
     for i, (cfg, epi) in enumerate(jobs):
         ptx = _ptx(tmp_path, f"gemm{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx
