@@ -17,10 +17,11 @@ Structure (one CTA per SM, persistent over output tiles, visited in raster group
 * warpgroups 1.. — consumers, each owning a ``64 x tile_n`` sub-tile: per 128-K block,
   WGMMA into a temporary FP32 accumulator, then *promotion* ``acc += tmp * x_scale[row] *
   w_scale`` outside the tensor core (with two temporaries, one block's promotion overlaps the
-  next block's WGMMAs). A tile's epilogue runs in registers once the next tile's first K blocks
-  are issued, and the tile leaves through shared memory in one TMA store group. SiLU and
-  GELU-tanh cost one ``tanh.approx`` per element (``TileConfig.act_tanh``; within the 1e-3
-  float64 gate of the GPU tests).
+  next block's WGMMAs). A tile's epilogue runs in registers (right after its mainloop, or once the
+  next tile's first K blocks are issued: ``TileConfig.defer_epilogue``), with the bias already in
+  registers since the mainloop's start (``TileConfig.early_bias``), and the tile leaves through
+  shared memory in one TMA store group. SiLU and GELU-tanh cost one ``tanh.approx`` per element
+  (``TileConfig.act_tanh``; within the 1e-3 float64 gate of the GPU tests).
 
 ``M`` is a runtime value (TMA zero-fills rows past ``M`` on load and clips them on store), so one
 compiled kernel serves every ``M``; ``N'`` and ``K`` must be multiples of 128.
@@ -470,7 +471,7 @@ class Fp8BlockGemmSm90:
                 if cutlass.const_expr(deferred):
                     if tiles_done > 0:
                         self._finish_tile(acc, prev_tm, prev_tn, *epi)
-                bias_frag, mBias, tCcAcc = epi[6], epi[5], epi[1]
+                _, tCcAcc, _, _, _, mBias, bias_frag, *_ = epi
                 if cutlass.const_expr(bias_frag is not None):
                     self._load_bias(bias_frag, tn, mBias, tCcAcc, n_frag)
             if cutlass.const_expr(u > 0):
