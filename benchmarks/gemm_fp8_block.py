@@ -220,15 +220,18 @@ def main() -> None:
               f" | scaled_mm {tf(t_smm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16 x{t_smm / t_ours:.2f} smm | err {err:.1e}", flush=True)
         if (m, n, k) in EPILOGUE_ROWS:
             # Each epilogue against the bare GEMM in the dispatch table's config (t_ours).
+            # Without --ab each epilogue runs in its own dispatch config (they differ in early_bias on
+            # immediate-epilogue tiles); an --ab variant applies to both.
             epi = Epilogue(bias=True, activation="silu", requant="fp8-block")
+            silu = Epilogue(bias=True, activation="silu")
             bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
             picked = fbg.pick_config(m, n, k, epi)
-            variants = (picked,)
+            variants = [(picked, fbg.pick_config(m, n, k, silu))]
             if args.ab:
-                variants = _ab_candidates(picked, args.ab)
-            for rnd, epi_cfg in [(r, c) for r in range(args.rounds) for c in variants]:  # variants interleaved per round
+                variants = [(c, c) for c in _ab_candidates(picked, args.ab)]
+            for rnd, (epi_cfg, silu_cfg) in [(r, v) for r in range(args.rounds) for v in variants]:  # interleaved per round
                 t_epi = prob.ours(epi_cfg, epi, bias)
-                t_silu = prob.ours(epi_cfg, Epilogue(bias=True, activation="silu"), bias)
+                t_silu = prob.ours(silu_cfg, silu, bias)
                 t_same = prob.ours(epi_cfg)  # the bare GEMM in the epilogue's config
                 results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), round=rnd, bare_us=t_ours, bare_same_cfg_us=t_same,
                                                 bias_silu_us=t_silu, bias_silu_requant_us=t_epi))
