@@ -3,7 +3,7 @@
 Four Over Six (Cook et al. 2025, arXiv 2512.02010): per 16-element block, quantize the block twice,
 with the E4M3 block scale that maps the block maximum to 6 (the standard NVFP4 rule, which vLLM,
 ModelOpt and torchao use) and with the one that maps it to 4, and keep the one with the lower
-squared error. Values between 4 and 6 of the E2M1 grid round by up to 1, so near-maximal values
+squared error. The E2M1 grid has no value between 4 and 6, so near-maximal values
 lose less under the 4-scale. The stored bits are ordinary NVFP4; only the quantizer's choice of
 block scale differs.
 
