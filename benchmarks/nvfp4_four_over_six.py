@@ -26,10 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from accuracy_gemma import lambada_accuracy, lambada_requests, perplexity, wikitext_windows  # noqa: E402
+from accuracy_gemma import (
+    lambada_accuracy,
+    lambada_requests,
+    perplexity,
+    wikitext_windows,
+)
 
-from quantkit.formats import nvfp4  # noqa: E402
-from quantkit.formats.codecs import E4M3_MAX  # noqa: E402
+from quantkit.formats import nvfp4
+from quantkit.formats.codecs import E4M3_MAX
 
 
 def qdq_four_over_six(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
