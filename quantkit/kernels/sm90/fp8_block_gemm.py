@@ -604,7 +604,7 @@ class Fp8BlockGemmSm90:
                 if n < mBias.shape[0]:
                     if cutlass.const_expr(bias_frag is not None):
                         b = bias_frag[(None, j)].load().to(cutlass.Float32)
-                    else:
+                    else:  # loaded here, not through _load_bias: a register copy spills an FP32 bias
                         b = bias_pairs[(None, n // 2)].load().to(cutlass.Float32)
                     for h in cutlass.range_constexpr(2):
                         for c in cutlass.range_constexpr(2):
