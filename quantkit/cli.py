@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Quantize Hugging Face models to NVFP4 / FP8 / MX, evaluate and benchmark them.")
 console = Console(stderr=True)
 
-FORMAT_HELP = "nvfp4 | nvfp4-w4a16 | nvfp4-w4a8 | fp8-block | fp8-dynamic | fp8 | mxfp8 | mxfp4"
+FORMAT_HELP = "nvfp4 | nvfp4-4over6 | nvfp4-w4a16 | nvfp4-w4a8 | fp8-block | fp8-dynamic | fp8 | mxfp8 | mxfp4"
 
 
 def fail(message: str) -> None:

@@ -287,6 +287,28 @@ def test_mse_search_never_worse_per_block(fmt, gain):
     assert (per_block(err_mse) <= per_block(err_rtn) + 1e-12).all()
 
 
+@pytest.mark.parametrize("algo", ["mse", "gptq", "awq+mse"])
+def test_nvfp4_4over6_weights_calibrate_as_nvfp4(algo, monkeypatch):
+    """nvfp4-4over6 rounds to nearest by the 4-or-6 rule, but MSE (and GPTQ's searched scales) step
+    from the 6-rule scales and AWQ judges with them: its weights equal nvfp4's calibrated under
+    the same (4-or-6) activations."""
+    models = {fmt: with_outliers("llama") for fmt in ("nvfp4", "nvfp4-4over6")}
+    options = {"gptq": {"mse_scales": True}, "awq": {"grid": 4}}
+    monkeypatch.setattr(get_format("nvfp4").activation, "four_over_six", True)
+    for fmt, model in models.items():
+        quantize(model, Recipe.parse(fmt, algo, options=options), CALIB, batch_size=4)
+    differ = 0
+    for (name, a), b in zip(models["nvfp4"].named_modules(), models["nvfp4-4over6"].modules()):
+        if hasattr(a, "qweight"):
+            assert b.format == "nvfp4-4over6"
+            assert torch.equal(a.qweight.data, b.qweight.data), name
+            assert torch.equal(a.qweight.scale.view(torch.uint8), b.qweight.scale.view(torch.uint8)), name
+            w = a.qweight.dequantize()
+            rtn = [get_format(f).quantize_weight(w).scale.view(torch.uint8) for f in models]
+            differ += int(not torch.equal(*rtn))
+    assert differ  # where the two round-to-nearest rules differ
+
+
 def test_mse_nvfp4_four_over_six():
     # tensor scale 1 (amax 2688); block 1 holds 16, 12, 6: exact with the block max mapped to 4
     # (scale 4: codes 4, 3, 1.5), not with RTN's scale e4m3(16/6) = 2.75

@@ -30,7 +30,8 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("fmt,export", [("nvfp4", "compressed-tensors"), ("fp8", "modelopt"), ("mxfp8", "compressed-tensors")])
+@pytest.mark.parametrize("fmt,export", [("nvfp4", "compressed-tensors"), ("nvfp4-4over6", "modelopt"), ("fp8", "modelopt"),
+                                        ("mxfp8", "compressed-tensors")])
 def test_quantize_writes_a_checkpoint_that_loads(model_dir, tmp_path, fmt, export):
     out = tmp_path / "q"
     res = run("quantize", model_dir, "--out", out, "--format", fmt, "--export", export, "--samples", 4, "--seq-len", 32)

@@ -5,11 +5,12 @@ import torch
 from quantkit.formats import get_format
 from quantkit.kernels import emulate, reference
 from quantkit.kernels.epilogue import Epilogue
-from quantkit.kernels.sm100.backend import prepare_operands, supports
+from quantkit.kernels.sm100.backend import OPERAND_FORMAT, prepare_operands, supports
 from quantkit.nn import QuantLinear
 
 
-@pytest.mark.parametrize("fmt,calibrated", [("nvfp4", True), ("nvfp4", False), ("mxfp8", False)])
+@pytest.mark.parametrize("fmt,calibrated", [("nvfp4", True), ("nvfp4", False), ("nvfp4-4over6", True),
+                                            ("nvfp4-4over6", False), ("mxfp8", False)])
 def test_sm100_adapter_operands_reproduce_the_reference(fmt, calibrated):
     torch.manual_seed(1)
     w, x = torch.randn(256, 384), torch.randn(37, 384) * 2
@@ -18,7 +19,7 @@ def test_sm100_adapter_operands_reproduce_the_reference(fmt, calibrated):
     bias = torch.randn(256)
     epi = Epilogue(bias=True, activation="silu")
     ops = prepare_operands(x, qw, input_scale)
-    got = emulate.blockscaled_gemm(*ops[:4], fmt=fmt, alpha=ops[4], epilogue=epi, bias=bias)
+    got = emulate.blockscaled_gemm(*ops[:4], fmt=OPERAND_FORMAT[fmt], alpha=ops[4], epilogue=epi, bias=bias)
     ref = reference.gemm(x.double().float(), qw, epi, bias=bias, input_scale=input_scale).double()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-6
     assert supports(x.bfloat16(), qw, Epilogue()) and not supports(x, qw, Epilogue())

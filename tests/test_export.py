@@ -23,7 +23,7 @@ from quantkit.formats.nvfp4 import block_scales, tensor_scale_from_amax
 from quantkit.nn import QuantLinear, quantize_model
 from quantkit.nn.swap import plan_layers, shared_weight_amax
 
-MODELOPT_FORMATS = ("nvfp4", "nvfp4-w4a16", "nvfp4-w4a8", "fp8", "fp8-dynamic")
+MODELOPT_FORMATS = ("nvfp4", "nvfp4-4over6", "nvfp4-w4a16", "nvfp4-w4a8", "fp8", "fp8-dynamic")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 IDS = torch.tensor([[1, 5, 17, 33, 100, 7, 250, 3], [9, 8, 7, 6, 5, 4, 3, 2]])
 

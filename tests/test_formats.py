@@ -138,6 +138,63 @@ def test_mx_matches_float64_reference(bits):
     assert torch.equal(out.double(), (ref * torch.exp2(ref_e - 127).unsqueeze(-1)).reshape(16, 128))
 
 
+def four_over_six_reference(x: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales ``[R, K/16]`` of FP32 ``x [R, K]`` by the Four Over Six rule, evaluated in float64:
+    per block, the candidate ``e4m3(clamp((amax / top) / ts, 2**-6, 448))`` (FP32, the spec
+    formula) for top = 6 and 4 whose float64 reconstruction ``e2m1(x / (s·ts))·s·ts`` (nearest,
+    ties to the even grid index, saturating) has the lower squared error; 6 on a tie."""
+    blocks = x.reshape(x.shape[0], -1, 16)
+    amax = blocks.abs().amax(-1)
+    grid = torch.tensor(codecs.E2M1_GRID, dtype=torch.float64)
+    even = 1 + (torch.arange(8) % 2 == 0).double()
+    best, best_err = None, None
+    for top in (6.0, 4.0):
+        s = ((amax / top) / ts).clamp(2**-6, 448).to(torch.float8_e4m3fn)
+        step = s.double().unsqueeze(-1) * ts.double()
+        a = (blocks.double() / step).abs().clamp(max=6.0)
+        dist = (a.unsqueeze(-1) - grid).abs()
+        nearest = grid[((dist == dist.min(-1, keepdim=True).values).double() * even).argmax(-1)]
+        err = ((nearest * torch.sign(blocks.double()) * step - blocks.double()) ** 2).sum(-1)
+        if best is None:
+            best, best_err = s, err
+        else:
+            best = torch.where(err < best_err, s.view(torch.uint8), best.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_four_over_six_scales_match_float64_reference(seed):
+    x = fresh((64, 512), seed)
+    ts = nvfp4.tensor_scale_from_amax(x.abs().amax())
+    got = nvfp4.block_scales(x, ts, four_over_six=True).view(torch.uint8)
+    assert torch.equal(got, four_over_six_reference(x, ts).view(torch.uint8))
+    six = nvfp4.block_scales(x, ts).view(torch.uint8)
+    assert 0.2 < (got != six).float().mean() < 0.8  # both rules are chosen
+    row, col = divmod(int(x.abs().argmax()), x.shape[1])
+    assert got[row, col // 16] == six[row, col // 16]  # the tensor max's block: its 4-scale would clamp at 448
+
+
+def test_nvfp4_four_over_six_lowers_every_blocks_error():
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.1, 10, 256)
+    errors = {}
+    for name in ("nvfp4", "nvfp4-4over6"):
+        codes, scale, ts = get_format(name).activation.quantize(x)
+        xq = get_format(name).activation.qdq(x)
+        assert torch.equal(xq, nvfp4.dequantize_codes(codes, scale, ts))
+        errors[name] = ((xq.double() - x.double()) ** 2).reshape(-1, 16).sum(-1)
+    assert (errors["nvfp4-4over6"] <= errors["nvfp4"]).all()
+    assert errors["nvfp4-4over6"].sum() < 0.9 * errors["nvfp4"].sum()
+
+
+def test_nvfp4_four_over_six_weights_are_nvfp4_under_the_chosen_scales():
+    w = fresh((32, 128), 7)
+    qw = get_format("nvfp4-4over6").quantize_weight(w)
+    assert qw.format == "nvfp4-4over6"
+    assert torch.equal(qw.scale.view(torch.uint8), four_over_six_reference(w, qw.tensor_scale).view(torch.uint8))
+    plain = get_format("nvfp4").quantize_weight(w, qw.scale, qw.tensor_scale)
+    assert torch.equal(qw.data, plain.data) and torch.equal(qw.dequantize(), plain.dequantize())
+
+
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_every_format_round_trips_with_bounded_error(name):
     fmt = get_format(name)

@@ -8,7 +8,7 @@ from quantkit.nn import QuantLinear
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4-w4a16", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4-w4a16", "nvfp4", "nvfp4-4over6", "mxfp8"])
 @pytest.mark.parametrize("lead", [(1,), (7,), (300,), (2, 5)], ids=str)
 def test_quantlinear_cuda_equals_cpu_reference(fmt, lead):
     torch.manual_seed(sum(lead))

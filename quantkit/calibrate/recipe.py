@@ -9,6 +9,7 @@ from quantkit.nn.swap import DEFAULT_IGNORE
 # The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md).
 DEFAULT_ALGORITHMS: dict[str, tuple[str, ...]] = {
     "nvfp4": ("awq", "mse"),
+    "nvfp4-4over6": ("awq", "mse"),
     "nvfp4-w4a16": ("awq", "mse"),
     "fp8-block": ("mse",),
     "mxfp8": ("gptq",),

@@ -11,6 +11,7 @@ format         compression format         tensors
 =============  =========================  ===================================================
 nvfp4          nvfp4-pack-quantized       ``weight_packed`` u8 [N, K/2], ``weight_scale`` E4M3 [N, K/16],
                                           ``weight_global_scale`` = 1/s_g, ``input_global_scale`` = 1/input_scale
+nvfp4-4over6   nvfp4-pack-quantized       as nvfp4 (config too), plus ``"quantkit_format": "nvfp4-4over6"``
 nvfp4-w4a16    nvfp4-pack-quantized       as nvfp4, without ``input_global_scale``
 nvfp4-w4a8     nvfp4-pack-quantized       as nvfp4-w4a16 (config too), plus ``"quantkit_format": "nvfp4-w4a8"``
 mxfp4          mxfp4-pack-quantized       ``weight_packed`` u8 [N, K/2], ``weight_scale`` E8M0 (u8) [N, K/32]

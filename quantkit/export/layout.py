@@ -54,7 +54,7 @@ FLOAT_SCALES = (torch.bfloat16, torch.float16)  # FP8 scales other writers store
 
 # quantkit formats written as another format's checkpoint: the same tensors and quantization config
 # (what vLLM reads, and serves), plus a "quantkit_format" key so that quantkit.load gives the format back.
-STORED_AS = {"nvfp4-w4a8": "nvfp4-w4a16"}
+STORED_AS = {"nvfp4-w4a8": "nvfp4-w4a16", "nvfp4-4over6": "nvfp4"}
 
 
 def tag_format(qcfg: dict, fmt: str) -> dict:

@@ -8,6 +8,7 @@ format        quant_algo                   tensors
 ============  ===========================  ============================================================
 nvfp4         NVFP4                        ``weight`` u8 [N, K/2], ``weight_scale`` E4M3 [N, K/16],
                                            ``weight_scale_2`` FP32 = s_g, ``input_scale`` FP32
+nvfp4-4over6  NVFP4                        as nvfp4, plus ``"quantkit_format": "nvfp4-4over6"`` in config.json
 nvfp4-w4a16   W4A16_NVFP4                  as nvfp4, without ``input_scale``
 nvfp4-w4a8    W4A16_NVFP4                  as nvfp4-w4a16, plus ``"quantkit_format": "nvfp4-w4a8"`` in config.json
 fp8           FP8                          ``weight`` E4M3 [N, K], ``weight_scale`` FP32, ``input_scale`` FP32
@@ -79,8 +80,9 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
     ``quantkit_format`` for a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`)."""
     sidecar = _hf_quant_config(fmt, ignore)
     out = {"ignore": list(ignore), "quant_algo": ALGOS[fmt], "producer": sidecar["producer"], "quant_method": "modelopt"}
-    if fmt in ("nvfp4", "fp8"):
-        bits, extra = (4, {"group_size": GROUP_SIZE}) if fmt == "nvfp4" else (8, {})
+    stored = STORED_AS.get(fmt, fmt)
+    if stored in ("nvfp4", "fp8"):
+        bits, extra = (4, {"group_size": GROUP_SIZE}) if stored == "nvfp4" else (8, {})
         args = {"dynamic": False, "num_bits": bits, "type": "float", **extra}
         out["config_groups"] = {"group_0": {"input_activations": args, "weights": dict(args), "targets": ["Linear"]}}
     return tag_format(out, fmt)

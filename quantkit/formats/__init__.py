@@ -4,6 +4,8 @@
 name               weights                                     activations
 =================  ==========================================  ==========================================
 ``nvfp4``          E2M1, E4M3 scale / 16, FP32 tensor scale    NVFP4, dynamic blocks, static tensor scale
+``nvfp4-4over6``   as nvfp4; RTN block scales by the 4-or-6    as nvfp4, block scales by the 4-or-6 rule
+                   rule (see below)
 ``nvfp4-w4a16``    as nvfp4                                    bf16 (not quantized)
 ``nvfp4-w4a8``     as nvfp4 (GEMM: see below)                  E4M3, FP32 scale / token, dynamic,
                                                                when ``use_w4a8(M, N')``; else bf16
@@ -18,6 +20,13 @@ name               weights                                     activations
 :func:`quantkit.formats.w4a8.format_accumulate`: W4A16 for decode-sized inputs, and for
 prefill-sized ones (``use_w4a8``) W4A8 — each weight rounded once to E4M3 under a per-row power
 of two, activations E4M3 per token (:mod:`quantkit.formats.w4a8`).
+
+``nvfp4-4over6`` is ``nvfp4`` with the *Four Over Six* block-scale rule (Cook et al. 2025): each
+16-block's scale maps its max to 4 or to 6, whichever reconstructs the block with the lower squared
+error (:func:`quantkit.formats.nvfp4.block_scales`). Its bits and checkpoint tensors are ordinary
+NVFP4: vLLM serves its checkpoint as ``nvfp4`` (activation scales by the 6 rule), quantkit with
+the 4-or-6 rule. (The sm_100 kernel's fused requantization, ``Epilogue(requant="nvfp4")``,
+applies the 6 rule.)
 """
 from __future__ import annotations
 
@@ -67,6 +76,7 @@ _FORMATS = {
     f.name: f
     for f in (
         Format("nvfp4", NVFP4Weight(), NVFP4Activation()),
+        Format("nvfp4-4over6", NVFP4Weight(four_over_six=True), NVFP4Activation(four_over_six=True)),
         Format("nvfp4-w4a16", NVFP4Weight(), None),
         Format("nvfp4-w4a8", NVFP4Weight(), None, w4a8.format_accumulate),
         Format("mxfp8", MXWeight(8), MXActivation(8)),

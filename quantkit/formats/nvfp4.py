@@ -9,7 +9,12 @@ Numerics (given the tensor scale, bit-identical to torchao's ``nvfp4_quantize``)
   ``s_g``. (torchao's ``amax/2688`` differs from this by at most one FP32 ulp, for ~16 % of amax
   values.) An all-zero tensor uses ``amax = 1``;
 - block scale ``s_b = e4m3(clamp((block_amax / 6) / s_g, 2**-6, 448))``: never zero or subnormal,
-  so an all-zero block gets ``s_b = 2**-6`` and quantizes to zeros;
+  so an all-zero block gets ``s_b = 2**-6`` and quantizes to zeros. Under the *Four Over Six*
+  rule (Cook et al. 2025, arXiv 2512.02010; format ``nvfp4-4over6``) each block also tries the
+  scale mapping its max to 4, ``e4m3(clamp((block_amax / 4) / s_g, ...))``, and keeps it when the
+  block's FP32 squared reconstruction error ``Σ (x̂ − x)²`` is strictly lower (a tie keeps the
+  6-scale). E2M1 has no value between 4 and 6, so under the 6-scale a value just below the
+  max loses up to a fifth of itself; the stored bits are ordinary NVFP4;
 - values ``q = e2m1(clamp(x · ((1/s_g) / s_b), ±6))``, RNE;
 - dequantized ``x̂ = (e2m1(q) · s_b) · s_g``: the first product is exact, so this is the
   correctly rounded FP32 value of the exact product.
@@ -26,6 +31,7 @@ from quantkit.formats.codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode
 
 BLOCK = 16
 _E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6
+_E2M1_SECOND = 4.0  # the largest E2M1 magnitude below E2M1_MAX: the other block-max target of Four Over Six
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -40,10 +46,29 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
-def block_scales(x: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales ``[..., K/16]`` for ``x [..., K]`` under FP32 ``tensor_scale``."""
-    block_amax = _blocks(x).abs().amax(-1)  # true divisions: a scalar divisor is a reciprocal multiply on CUDA
-    return ((block_amax / torch.full_like(block_amax, E2M1_MAX)) / tensor_scale).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+def _scale_mapping_max_to(block_amax: torch.Tensor, top: float, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales mapping each ``block_amax`` to ``top`` under ``tensor_scale`` (clamped to [2**-6, 448])."""
+    # true divisions: a scalar divisor is a reciprocal multiply on CUDA
+    return ((block_amax / torch.full_like(block_amax, top)) / tensor_scale).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def block_scales(x: torch.Tensor, tensor_scale: torch.Tensor, four_over_six: bool = False) -> torch.Tensor:
+    """E4M3 block scales ``[..., K/16]`` for ``x [..., K]`` under FP32 ``tensor_scale``: each block's
+    max maps to 6, or (``four_over_six``) to 4 or 6, whichever reconstructs the block with the
+    lower squared error (module docstring)."""
+    block_amax = _blocks(x).abs().amax(-1)
+    six = _scale_mapping_max_to(block_amax, E2M1_MAX, tensor_scale)
+    if not four_over_six:
+        return six
+    four = _scale_mapping_max_to(block_amax, _E2M1_SECOND, tensor_scale)
+    err6, err4 = (_block_squared_error(x, s, tensor_scale) for s in (six, four))
+    return torch.where(err4 < err6, four.view(torch.uint8), six.view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
+def _block_squared_error(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """FP32 ``[..., K/16]``: ``Σ (x̂ − x)²`` per block of ``x [..., K]`` quantized under these scales."""
+    xq = dequantize_codes(quantize_values(x, scale, tensor_scale), scale, tensor_scale)
+    return (_blocks(xq) - _blocks(x)).pow(2).sum(-1)
 
 
 def quantize_values(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
@@ -61,13 +86,17 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, tensor_scale: tor
 
 
 class NVFP4Weight:
-    """Weights ``[N, K]``: packed uint8 ``[N, K/2]``, E4M3 scales ``[N, K/16]``, FP32 tensor scale."""
+    """Weights ``[N, K]``: packed uint8 ``[N, K/2]``, E4M3 scales ``[N, K/16]``, FP32 tensor scale;
+    round-to-nearest block scales by the 6 or (``four_over_six``) the 4-or-6 rule."""
 
     block = (1, BLOCK)
 
+    def __init__(self, four_over_six: bool = False):
+        self.four_over_six = four_over_six
+
     def compute_scales(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ts = tensor_scale_from_amax(w.float().abs().amax() if amax is None else amax)
-        return block_scales(w, ts), ts
+        return block_scales(w, ts, self.four_over_six), ts
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
         return pack_nibbles(quantize_values(w, scale, tensor_scale))
@@ -80,16 +109,26 @@ class NVFP4Weight:
 
 
 class NVFP4Activation:
-    """Activations: dynamic E4M3 block scales per 16, FP32 tensor scale static (calibrated
-    ``input_scale = amax/(6·448)``) or, uncalibrated, from the current tensor's amax."""
+    """Activations: dynamic E4M3 block scales per 16 (the 6 or, ``four_over_six``, the 4-or-6
+    rule), FP32 tensor scale static (calibrated ``input_scale = amax/(6·448)``) or, uncalibrated,
+    from the current tensor's amax."""
 
     block = BLOCK
     static = True
 
+    def __init__(self, four_over_six: bool = False):
+        self.four_over_six = four_over_six
+
     def input_scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         return tensor_scale_from_amax(amax)
 
-    def qdq(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, input_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes, scale, tensor_scale)`` of ``x [..., K]``: unpacked E2M1 codes uint8 ``[..., K]``,
+        E4M3 block scales ``[..., K/16]`` and the FP32 tensor scale (``input_scale`` if given)."""
         ts = tensor_scale_from_amax(x.float().abs().amax()) if input_scale is None else input_scale.float()
-        scale = block_scales(x, ts)
-        return dequantize_codes(quantize_values(x, scale, ts), scale, ts)
+        scale = block_scales(x, ts, self.four_over_six)
+        return quantize_values(x, scale, ts), scale, ts
+
+    def qdq(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_codes(*self.quantize(x, input_scale))

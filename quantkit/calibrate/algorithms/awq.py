@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.mse import amax_scales
 from quantkit.calibrate.algorithms.smoothquant import SmoothingPair, fold, input_stats, smoothing_pairs
 from quantkit.calibrate.distributed import all_reduce_
 
@@ -87,7 +88,7 @@ class AWQ(Algorithm):
         error = 0.0
         for name, w in scaled.items():
             amax = torch.stack([scaled[n].abs().amax() for n in self._group_of(ctx, name, pair)]).max()
-            w_hat = ctx.fmt.quantize_weight(w, *ctx.fmt.weight.compute_scales(w, amax)).dequantize()
+            w_hat = ctx.fmt.quantize_weight(w, *amax_scales(ctx.fmt, w, amax)).dequantize()
             if reference is None:
                 d = w_hat - w
                 error += ((d @ gram) * d).sum().item()

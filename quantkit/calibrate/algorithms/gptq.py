@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
-from quantkit.calibrate.algorithms.mse import search_block_scales
+from quantkit.calibrate.algorithms.mse import amax_scales, search_block_scales
 from quantkit.formats import Format, QuantizedWeight
 from quantkit.formats.codecs import e2m1_decode, e2m1_encode, e4m3_encode, pack_nibbles
 
@@ -65,8 +65,10 @@ class ColumnQuantizer:
     def refresh(self, j: int, block: torch.Tensor) -> None:
         """Round-to-nearest (or, with ``importance``, searched) scale for the scale block starting
         at column ``j`` (a multiple of ``width``) from its current FP32 values ``block [N, width]``."""
-        s, _ = self.fmt.weight.compute_scales(block, self.amax)
-        if self.importance is not None:
+        if self.importance is None:
+            s, _ = self.fmt.weight.compute_scales(block, self.amax)
+        else:
+            s, _ = amax_scales(self.fmt, block, self.amax)
             s, _ = search_block_scales(self.fmt, block, s, self.tensor_scale, self.importance[j:j + self.width])
         c = j // self.width
         self.scale[:, c:c + 1] = s

@@ -3,9 +3,11 @@ squared weight error, instead of the amax-derived one.
 
 Candidates, by the block-scale type of the format:
 
-- E4M3 block scales (NVFP4): the E4M3 codes ``-1 … +6`` steps around the round-to-nearest scale.
-  ``+4``/``+5`` (×1.5) is "4 over 6": the block max lands on the grid point 4 instead of 6, which
-  often fits the block's values better; negative steps clip the block max. The FP32 tensor scale
+- E4M3 block scales (NVFP4): the E4M3 codes ``-1 … +6`` steps around the round-to-nearest scale
+  that maps the block max to 6 (also for ``nvfp4-4over6``, whose round-to-nearest rule picks 4 or
+  6 per block: :func:`amax_scales`). ``+3 … +5`` (×1.5) is "4 over 6": the block max lands on the
+  grid point 4 instead of 6, which often fits the block's values better; negative steps clip the
+  block max. The FP32 tensor scale
   shared by a fused group can be searched too, over ``tensor_scale_steps`` points of one octave
   (a factor 2 shifts every E4M3 scale by an exact power of two and changes nothing); off by
   default: on Gemma-3-270M NVFP4, 4 steps gave a lower weight error but not a lower perplexity.
@@ -22,6 +24,7 @@ import torch
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
 from quantkit.formats import Format, QuantizedWeight
+from quantkit.formats.nvfp4 import NVFP4Weight
 
 E4M3_STEPS = tuple(range(-1, 7))
 E8M0_STEPS = (-1, 0, 1)
@@ -51,6 +54,17 @@ def block_sum(x: torch.Tensor, block: tuple[int, int], scale_shape: torch.Size) 
     br = block[0] or rows
     padded = torch.nn.functional.pad(x, (0, 0, 0, r * br - rows))
     return padded.reshape(r, br, c, cols // c).sum((1, 3))
+
+
+def amax_scales(fmt: Format, w: torch.Tensor, amax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, tensor_scale)`` of FP32 ``w [N, K]`` rounded to nearest with each block max mapped
+    to the top of the element grid: the format's own round-to-nearest scales, except for
+    ``nvfp4-4over6``, whose rule may map a block max to 4 (its 4-scales are among the candidates).
+    Searches step from these, and AWQ judges its smoothing scales with them, so ``nvfp4-4over6``
+    weights calibrate exactly as ``nvfp4`` ones under the same activations."""
+    weight = NVFP4Weight() if isinstance(fmt.weight, NVFP4Weight) else fmt.weight
+    return weight.compute_scales(w, amax)
 
 
 def candidate_scales(scale: torch.Tensor) -> list[torch.Tensor]:
@@ -106,7 +120,7 @@ class MSE(Algorithm):
         from ``amax_factor × amax``; and the group's total error. A per-tensor scale (FP8
         ``(0, 0)`` blocks) is the group's: its candidates are tried on all members at once."""
         fmt = ctx.fmt
-        rtn = {n: fmt.weight.compute_scales(w, ctx.weight_amax[n] * amax_factor) for n, w in weights.items()}
+        rtn = {n: amax_scales(fmt, w, ctx.weight_amax[n] * amax_factor) for n, w in weights.items()}
         importance = {n: self._importance(ctx, n) for n in weights}
         if fmt.weight.block != (0, 0):
             chosen = {n: search_block_scales(fmt, w, *rtn[n], importance[n]) for n, w in weights.items()}

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.formats import QuantizedWeight, layouts, mx, nvfp4
+from quantkit.formats import QuantizedWeight, get_format, layouts, mx
 from quantkit.formats.codecs import pack_nibbles
 from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.ops import call
 from quantkit.kernels.reference import rows, unrows
-from quantkit.kernels.sm100 import FORMATS, K_MULTIPLE, sm100_blockscaled_gemm
+from quantkit.kernels.sm100 import K_MULTIPLE, sm100_blockscaled_gemm
 
 _MXFP8 = mx.MXElement(8)
+# quantkit format -> the kernel's operand format (nvfp4-4over6 differs from nvfp4 only in how the
+# activations' block scales are chosen, before the kernel)
+OPERAND_FORMAT = {"nvfp4": "nvfp4", "nvfp4-4over6": "nvfp4", "mxfp8": "mxfp8"}
 
 
 def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: torch.Tensor | None = None):
@@ -24,10 +27,9 @@ def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: tor
     if "sm100" not in qweight.layouts:
         qweight.layouts["sm100"] = layouts.to_blocked(qweight.scale)
     w_scale = qweight.layouts["sm100"]
-    if qweight.format == "nvfp4":
-        ts = nvfp4.tensor_scale_from_amax(x.float().abs().amax()) if input_scale is None else input_scale.float()
-        scale = nvfp4.block_scales(x, ts)
-        x_q = pack_nibbles(nvfp4.quantize_values(x, scale, ts))
+    if OPERAND_FORMAT[qweight.format] == "nvfp4":
+        codes, scale, ts = get_format(qweight.format).activation.quantize(x, input_scale)
+        x_q = pack_nibbles(codes)
         alpha = (ts * qweight.tensor_scale).reshape(1)
     else:
         scale = _MXFP8.scales(x)
@@ -36,9 +38,9 @@ def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: tor
 
 
 def supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
-    """Formats nvfp4 / mxfp8, bf16 input, K a multiple of 128, N of 128, bf16 output."""
+    """Formats nvfp4 / nvfp4-4over6 / mxfp8, bf16 input, K a multiple of 128, N of 128, bf16 output."""
     n, k = qweight.shape
-    return (qweight.format in FORMATS and x.dtype == torch.bfloat16 and k % K_MULTIPLE == 0 and n % 128 == 0
+    return (qweight.format in OPERAND_FORMAT and x.dtype == torch.bfloat16 and k % K_MULTIPLE == 0 and n % 128 == 0
             and epilogue.requant is None)
 
 
@@ -47,7 +49,7 @@ def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=N
     x_q, x_scale, w_q, w_scale, alpha = prepare_operands(rows(x), qweight, input_scale)
     res = rows(residual) if epilogue.residual else None
     out = call(sm100_blockscaled_gemm, x_q, x_scale, w_q, w_scale, alpha, bias if epilogue.bias else None, res,
-               qweight.format, epilogue.activation)
+               OPERAND_FORMAT[qweight.format], epilogue.activation)
     return unrows(out, x)
 
 

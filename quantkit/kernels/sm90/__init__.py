@@ -8,8 +8,9 @@ module on first use.
   bf16 activations quantized per 1x128 group on the fly; epilogues bias, activation (incl.
   interleaved SwiGLU), residual, requant to ``fp8-block`` (GEMM only).
 * ``sm90-nvfp4`` — :mod:`.nvfp4_gemm` W4A16: ``nvfp4-w4a16`` weights × bf16 activations. Hopper
-  has no FP4 tensor cores, so ``nvfp4`` (W4A4) runs here too: its activations are quantized and
-  dequantized in PyTorch (the reference's own ``qdq``, rounded to bf16), then the W4A16 kernel.
+  has no FP4 tensor cores, so ``nvfp4`` and ``nvfp4-4over6`` (W4A4) run here too: their
+  activations are quantized and dequantized in PyTorch (the reference's own ``qdq``, rounded to
+  bf16), then the W4A16 kernel.
   ``nvfp4-w4a8`` runs :mod:`.nvfp4_w4a8`'s format op: the W4A8 kernel (FP8 activations
   quantized per token by its CuTeDSL kernel, weights rounded to E4M3 in registers) when
   :func:`quantkit.formats.w4a8.use_w4a8` ``(M, N')``, else the W4A16 kernel — the same function
@@ -57,16 +58,19 @@ def fp8_block_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue,
 register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_run))
 
 
+NVFP4_WEIGHT_FORMATS = ("nvfp4-w4a16", "nvfp4", "nvfp4-4over6", "nvfp4-w4a8")
+
+
 def nvfp4_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
     """Whether the sm90 NVFP4 kernels (W4A16, W4A8) compute ``x @ qweight`` with ``epilogue``."""
     n, k = qweight.shape
-    return (qweight.format in ("nvfp4-w4a16", "nvfp4", "nvfp4-w4a8") and x.dtype == torch.bfloat16 and k % 128 == 0
+    return (qweight.format in NVFP4_WEIGHT_FORMATS and x.dtype == torch.bfloat16 and k % 128 == 0
             and epilogue.requant is None and (epilogue.activation != "swiglu" or n % (2 * SWIGLU_GROUP) == 0))
 
 
 def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
               input_scale=None):
-    """``x [..., K]`` bf16 -> (``nvfp4``: NVFP4 qdq) -> W4A16 GEMM (``nvfp4-w4a8``: W4A8 or W4A16 by
+    """``x [..., K]`` bf16 -> (``nvfp4``, ``nvfp4-4over6``: NVFP4 qdq) -> W4A16 GEMM (``nvfp4-w4a8``: W4A8 or W4A16 by
     M) + ``epilogue`` -> bf16 ``[..., N]``; the re-laid weight is cached in ``qweight.layouts``."""
     from quantkit.kernels.sm90.nvfp4_gemm import nvfp4_w4a16_op, prepare
     from quantkit.kernels.sm90.nvfp4_w4a8 import nvfp4_w4a8_format_op
@@ -75,8 +79,9 @@ def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, 
         qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
     w = qweight.layouts["sm90"]
     x2 = rows(x)
-    if qweight.format == "nvfp4":
-        x2 = get_format("nvfp4").activation.qdq(x2, input_scale).to(torch.bfloat16)
+    activation = get_format(qweight.format).activation
+    if activation is not None:
+        x2 = activation.qdq(x2, input_scale).to(torch.bfloat16)
     res = rows(residual) if epilogue.residual else None
     op = nvfp4_w4a8_format_op if qweight.format == "nvfp4-w4a8" else nvfp4_w4a16_op
     out = call(op, x2.contiguous(), w.tiles, w.row_exp, w.tensor_scale, w.n, bias if epilogue.bias else None, res,
