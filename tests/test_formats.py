@@ -59,9 +59,19 @@ def test_e4m3_equals_torch_cast_and_saturates():
 
 def test_e8m0_scale_is_floor_log2_minus_emax():
     amax = torch.tensor([1.0, 3.0, 448.0, 0.0, 2.0**-130])
-    e = codecs.e8m0_from_amax(amax, 8)
+    e = codecs.e8m0_from_amax(amax, 448.0, round_up=False)
     assert e.tolist() == [127 - 8, 128 - 8, 135 - 8, 0, 0]
+    assert codecs.e8m0_from_amax(torch.tensor([7.5, 3.9]), 6.0, round_up=False).tolist() == [127, 126]
     assert codecs.e8m0_decode(torch.tensor([127, 128, 0], dtype=torch.uint8)).tolist() == [1.0, 2.0, 2.0**-127]
+
+
+def test_e8m0_scale_rounded_up_never_clips():
+    # 448 maps exactly; one FP32 ulp above 448 needs the next power of two; 0 and 2**-130 give the
+    # smallest scale
+    amax = torch.tensor([448.0, 448.0 + 2.0**-15, 449.0, 1.0, 3.0 * 2**20, 0.0, 2.0**-130, math.nan])
+    e = codecs.e8m0_from_amax(amax, 448.0, round_up=True)
+    assert e.tolist() == [127, 128, 128, 127 - 8, 127 + 13, 0, 0, 255]
+    assert codecs.e8m0_from_amax(torch.tensor([6.0, 6.5, 1.0]), 6.0, round_up=True).tolist() == [127, 128, 125]
 
 
 # ---------------------------------------------------------------- NVFP4
@@ -122,20 +132,42 @@ def test_fp8_blocks_match_float64_reference(block):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_mx_matches_float64_reference(bits):
+    # MXFP8 scales rounded up (no block max clips), MXFP4 scales by the OCP floor rule
     x = fresh((16, 128), 5)
     elem = mx.MXElement(bits)
     scale = elem.scales(x)
-    amax = x.double().abs().reshape(16, 4, 32).amax(-1)
-    emax = 8 if bits == 8 else 2
-    ref_e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-300))) - emax + 127, torch.zeros_like(amax)).clamp(0, 254)
+    amax = x.double().abs().reshape(16, 4, 32).amax(-1).clamp(min=1e-300)
+    if bits == 8:
+        ref_e = torch.ceil(torch.log2(amax / 448.0)) + 127
+    else:
+        ref_e = torch.floor(torch.log2(amax)) - 2 + 127
+    ref_e = torch.where(amax > 1e-300, ref_e, torch.zeros_like(amax)).clamp(0, 254)
     assert torch.equal(scale.double(), ref_e)
     out = elem.decode(elem.encode(x, scale), scale)
     x_scaled = x.double().reshape(16, 4, 32) / torch.exp2(ref_e - 127).unsqueeze(-1)
     if bits == 8:
-        ref = x_scaled.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        assert (x_scaled.abs() <= 448).all()
+        ref = x_scaled.float().to(torch.float8_e4m3fn).double()
     else:
+        assert (x_scaled.abs() > 6).any()  # the floor rule clips some block maxima
         ref = codecs.e2m1_decode(codecs.e2m1_encode(x_scaled.float().clamp(-6, 6))).double()
     assert torch.equal(out.double(), (ref * torch.exp2(ref_e - 127).unsqueeze(-1)).reshape(16, 128))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mx_bit_exact_with_torchao(bits, seed):
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    x = fresh((64, 256), seed)
+    elem_dtype, mode = ((torch.float8_e4m3fn, ScaleCalculationMode.RCEIL) if bits == 8
+                        else (torch.float4_e2m1fn_x2, ScaleCalculationMode.FLOOR))
+    scales, data = mx_tensor.to_mx(x, elem_dtype, 32, scaling_mode=mode)
+    elem = mx.MXElement(bits)
+    ours = elem.scales(x)
+    assert torch.equal(ours, scales.view(torch.uint8).reshape(ours.shape))
+    assert torch.equal(elem.encode(x, ours).view(torch.uint8), data.view(torch.uint8))
 
 
 def four_over_six_reference(x: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:

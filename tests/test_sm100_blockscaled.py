@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from quantkit.formats import get_format, layouts
-from quantkit.formats.codecs import e2m1_decode, pack_nibbles, unpack_nibbles
+from quantkit.formats.codecs import (
+    e2m1_decode,
+    e8m0_from_amax,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from quantkit.formats.mx import MXElement
 from quantkit.formats.nvfp4 import block_scales, quantize_values, tensor_scale_from_amax
 from quantkit.kernels import emulate, reference
@@ -133,6 +138,20 @@ def test_swiglu_pairs_interleaved_gate_and_up_rows():
     gh, uh = (dequant_f64(q.data, q.scale, "mxfp8") for q in (gq, uq))
     want = torch.nn.functional.silu(xh @ gh.T) * (xh @ uh.T)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_mxfp8_requant_exponent_bit_rule_equals_formats():
+    """The epilogue's E8M0 rule, ``E - 8 + (mantissa > 0x600000)`` from the FP32 bits of the block
+    amax (``MX_E4M3_EMAX``, ``E4M3_MAX_MANTISSA``), equals quantkit.formats' ``ceil(log2(fl(amax /
+    448)))`` on every mantissa near 1.75 and on random amax over the normal exponent range."""
+    g = torch.Generator().manual_seed(0)
+    near = torch.arange(0x600000 - 4096, 0x600000 + 4096, dtype=torch.int64)
+    exps = torch.randint(9, 254, (near.numel(),), generator=g)
+    rand = torch.randint(0, 1 << 23, (1 << 20,), generator=g) | (torch.randint(9, 254, (1 << 20,), generator=g) << 23)
+    bits = torch.cat([near | (exps << 23), rand])
+    amax = bits.to(torch.int32).view(torch.float32)
+    kernel_rule = ((bits >> 23) - 8 + (((bits & 0x7FFFFF) + (0x7FFFFF - 0x600000)) >> 23)).clamp(0, 254)
+    assert torch.equal(e8m0_from_amax(amax, 448.0, round_up=True).long(), kernel_rule)
 
 
 @pytest.mark.parametrize("out_fmt", FMTS)

@@ -9,6 +9,8 @@ All encoders round to nearest, ties to even, and saturate to the largest finite 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 E2M1_MAX = 6.0
@@ -50,12 +52,24 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def e8m0_from_amax(amax: torch.Tensor, elem_emax: int) -> torch.Tensor:
-    """OCP MX shared scale: ``e = floor(log2(amax)) - elem_emax + 127`` clamped to [0, 254] (uint8).
+def e8m0_from_amax(amax: torch.Tensor, elem_max: float, round_up: bool) -> torch.Tensor:
+    """MX shared scale (uint8 E8M0, clamped to [0, 254]) of blocks with max ``|x| = amax`` whose
+    elements reach ``elem_max`` (448 for E4M3, 6 for E2M1):
+
+    - ``round_up=False``, the OCP spec: ``e = floor(log2(amax)) - floor(log2(elem_max)) + 127``.
+      The block max lands in ``[2**emax, 2**(emax+1))`` and saturates above ``elem_max`` (up to
+      12.5 % of an E4M3 max, 25 % of an E2M1 one);
+    - ``round_up=True``: ``e = ceil(log2(fl(amax / elem_max))) + 127``, the FP32 quotient rounded up
+      to a power of two, as NVIDIA's ``cvt.rp.satfinite.ue8m0x2.f32``, cuBLAS's MX recipe and
+      torchao's ``RCEIL``: the block max is never clipped.
 
     ``amax == 0`` gives the smallest scale (e = 0); NaN gives 255."""
     a = amax.float()
-    exp = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a)))) - elem_emax + 127
+    if round_up:
+        descale = (a / torch.full_like(a, elem_max)).double()
+        exp = torch.ceil(torch.log2(torch.where(a > 0, descale, torch.ones_like(descale)))) + 127
+    else:
+        exp = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a)))) - math.floor(math.log2(elem_max)) + 127
     exp = torch.where(a > 0, exp, torch.zeros_like(exp)).clamp(0, 254)
     return torch.where(torch.isnan(a), torch.full_like(exp, 255), exp).to(torch.uint8)
 

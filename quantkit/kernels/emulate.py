@@ -22,7 +22,6 @@ from quantkit.kernels.epilogue import IDENTITY, Epilogue, apply_activation
 
 BLOCK = {"nvfp4": 16, "mxfp8": 32}
 _E4M3_TINY = 2.0**-6
-_MX_E4M3_EMAX = 8
 
 
 def swizzled_offsets(rows: int, cols: int) -> torch.Tensor:
@@ -85,7 +84,7 @@ def requantize(y: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None = No
         codes = e2m1_encode(blocks * ((1.0 / ts) / sb.double()).unsqueeze(-1))
         return pack_nibbles(codes.reshape(m, n)), write_scales(sb.view(torch.uint8)).view(torch.float8_e4m3fn)
     if fmt == "mxfp8":
-        e = e8m0_from_amax(amax, _MX_E4M3_EMAX)
+        e = e8m0_from_amax(amax, E4M3_MAX, round_up=True)
         vals = e4m3_encode(blocks / e8m0_decode(e).double().unsqueeze(-1))
         return vals.reshape(m, n), write_scales(e)
     raise ValueError(f"cannot requantize to {fmt!r}; valid: {', '.join(BLOCK)}")

@@ -50,7 +50,8 @@ EPI_N = 32  # accumulator columns per epilogue step (one tcgen05.ld 32x32b.x32 p
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0**-6
-MX_E4M3_EMAX = 8  # exponent of E4M3's largest power of two (OCP MX shared-scale rule)
+MX_E4M3_EMAX = 8  # E4M3_MAX = 1.75 · 2**8
+E4M3_MAX_MANTISSA = 0x600000  # the FP32 mantissa field of 1.75
 
 
 @dataclass(frozen=True)
@@ -616,14 +617,19 @@ class BlockscaledGemmKernel:
     @cute.jit
     def _quant_mxfp8(self, rY: cute.Tensor, rWords: cute.Tensor, row: cutlass.Int32, n0: cutlass.Int32,
                      in_bounds: cutlass.Boolean, mOutSF: cute.Tensor):
-        """MXFP8 of ``rY``: ``e = clamp(floor(log2(amax)) - 8 + 127, 0, 254)`` (read off the FP32
-        exponent bits), ``q = e4m3(y · 2**(127-e))``."""
+        """MXFP8 of ``rY`` by the rounded-up rule of ``quantkit.formats.mx``:
+        ``e = clamp(ceil(log2(amax / 448)) + 127, 0, 254)``, ``q = e4m3(y · 2**(127-e))``. With
+        ``amax = 1.f · 2**(E-127)``, ``amax / 448 = (1.f / 1.75) · 2**(E-135)``, so ``e = E - 8``,
+        plus one when ``1.f > 1.75`` (read off the FP32 bits; the FP32 quotient never rounds
+        across a power of two, so this equals the formats' ``fl(amax / 448)``)."""
         for b in cutlass.range_constexpr(EPI_N // 32):
             amax = cutlass.Float32(0.0)
             for i in cutlass.range_constexpr(32):
                 amax = cute.arch.fmax(amax, cute.math.abs(rY[b * 32 + i]))
-            biased = cutlass.Int32((f32_bits(amax) >> 23) & 0xFF)
-            e = cutlass.max(cutlass.min(biased - MX_E4M3_EMAX, 254), 0)
+            bits = f32_bits(amax)
+            biased = cutlass.Int32((bits >> 23) & 0xFF)
+            above = cutlass.Int32(((bits & 0x7FFFFF) + (0x7FFFFF - E4M3_MAX_MANTISSA)) >> 23)  # 1.f > 1.75
+            e = cutlass.max(cutlass.min(biased - MX_E4M3_EMAX + above, 254), 0)
             recip = f32_from_bits(cutlass.Uint32(254 - cutlass.min(e, 253)) << 23)
             for w in cutlass.range_constexpr(8):
                 rWords[b * 8 + w] = pack_e4m3x4([rY[b * 32 + w * 4 + i] * recip for i in range(4)])
