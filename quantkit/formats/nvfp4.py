@@ -56,19 +56,32 @@ def block_scales(x: torch.Tensor, tensor_scale: torch.Tensor, four_over_six: boo
     """E4M3 block scales ``[..., K/16]`` for ``x [..., K]`` under FP32 ``tensor_scale``: each block's
     max maps to 6, or (``four_over_six``) to 4 or 6, whichever reconstructs the block with the
     lower squared error (module docstring)."""
+    if four_over_six:
+        return quantize_blocks(x, tensor_scale, True)[1]
+    return _scale_mapping_max_to(_blocks(x).abs().amax(-1), E2M1_MAX, tensor_scale)
+
+
+def quantize_blocks(x: torch.Tensor, tensor_scale: torch.Tensor, four_over_six: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of ``x [..., K]``: unpacked E2M1 codes uint8 ``[..., K]`` under the block
+    scales of :func:`block_scales` (E4M3 ``[..., K/16]``); the 4-or-6 rule keeps the codes it
+    compared instead of quantizing again."""
     block_amax = _blocks(x).abs().amax(-1)
-    six = _scale_mapping_max_to(block_amax, E2M1_MAX, tensor_scale)
-    if not four_over_six:
-        return six
-    four = _scale_mapping_max_to(block_amax, _E2M1_SECOND, tensor_scale)
-    err6, err4 = (_block_squared_error(x, s, tensor_scale) for s in (six, four))
-    return torch.where(err4 < err6, four.view(torch.uint8), six.view(torch.uint8)).view(torch.float8_e4m3fn)
+    scale = _scale_mapping_max_to(block_amax, E2M1_MAX, tensor_scale)
+    codes = quantize_values(x, scale, tensor_scale)
+    if four_over_six:
+        four = _scale_mapping_max_to(block_amax, _E2M1_SECOND, tensor_scale)
+        codes4 = quantize_values(x, four, tensor_scale)
+        better = _block_squared_error(x, codes4, four, tensor_scale) < _block_squared_error(x, codes, scale, tensor_scale)
+        scale = torch.where(better, four.view(torch.uint8), scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+        codes = torch.where(better.repeat_interleave(BLOCK, -1), codes4, codes)
+    return codes, scale
 
 
-def _block_squared_error(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
-    """FP32 ``[..., K/16]``: ``Σ (x̂ − x)²`` per block of ``x [..., K]`` quantized under these scales."""
-    xq = dequantize_codes(quantize_values(x, scale, tensor_scale), scale, tensor_scale)
-    return (_blocks(xq) - _blocks(x)).pow(2).sum(-1)
+def _block_squared_error(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         tensor_scale: torch.Tensor) -> torch.Tensor:
+    """FP32 ``[..., K/16]``: ``Σ (x̂ − x)²`` per block of ``x [..., K]``, ``x̂`` decoded from ``codes``."""
+    return (_blocks(dequantize_codes(codes, scale, tensor_scale)) - _blocks(x)).pow(2).sum(-1)
 
 
 def quantize_values(x: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
@@ -127,8 +140,8 @@ class NVFP4Activation:
         """``(codes, scale, tensor_scale)`` of ``x [..., K]``: unpacked E2M1 codes uint8 ``[..., K]``,
         E4M3 block scales ``[..., K/16]`` and the FP32 tensor scale (``input_scale`` if given)."""
         ts = tensor_scale_from_amax(x.float().abs().amax()) if input_scale is None else input_scale.float()
-        scale = block_scales(x, ts, self.four_over_six)
-        return quantize_values(x, scale, ts), scale, ts
+        codes, scale = quantize_blocks(x, ts, self.four_over_six)
+        return codes, scale, ts
 
     def qdq(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
         return dequantize_codes(*self.quantize(x, input_scale))

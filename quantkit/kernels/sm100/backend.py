@@ -11,12 +11,12 @@ from quantkit.kernels import Backend, register_backend
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.ops import call
 from quantkit.kernels.reference import rows, unrows
-from quantkit.kernels.sm100 import K_MULTIPLE, sm100_blockscaled_gemm
+from quantkit.kernels.sm100 import FORMATS, K_MULTIPLE, sm100_blockscaled_gemm
 
 _MXFP8 = mx.MXElement(8)
 # quantkit format -> the kernel's operand format (nvfp4-4over6 differs from nvfp4 only in how the
 # activations' block scales are chosen, before the kernel)
-OPERAND_FORMAT = {"nvfp4": "nvfp4", "nvfp4-4over6": "nvfp4", "mxfp8": "mxfp8"}
+OPERAND_FORMAT = {**{f: f for f in FORMATS}, "nvfp4-4over6": "nvfp4"}
 
 
 def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: torch.Tensor | None = None):
