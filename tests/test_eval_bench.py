@@ -133,6 +133,63 @@ def test_greedy_decoder_continues_like_a_full_recompute():
     assert torch.equal(torch.cat(got, dim=1), _full_recompute_greedy(model, prompt, 6))
 
 
+def _decode_tokens(model, prompt, steps, compile_backend=None):
+    step, tokens = bench.greedy_decoder(model, prompt, max_cache_len=prompt.shape[1] + steps + 1,
+                                        compile_backend=compile_backend)
+    out = []
+    for _ in range(steps):
+        step()
+        out.append(tokens.clone())
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@torch.inference_mode()
+def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt):
+    """``bench --compile``: dynamo captures a whole decode step (static cache, QuantLinear custom
+    ops) as one graph, compiled once for all steps, and the steps decode the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    import quantkit
+
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
+    if fmt != "bf16":
+        quantkit.quantize_model(model, format=fmt)
+    prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
+    eager = _decode_tokens(model, prompt, 6)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _decode_tokens(model, prompt, 6, compile_backend="aot_eager")
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4-w4a16", "fp8-block"])
+@pytest.mark.parametrize("shape", [(8, 1), (4, 16)])
+@torch.inference_mode()
+def test_inductor_forward_with_sm90_kernels_matches_eager(fmt, shape):
+    """What ``bench --compile`` relies on, on the GPU: Inductor compiles the model around the sm90
+    kernels' custom ops, its logits match the eager ones, and a CUDA-graph replay of the compiled
+    call repeats it bit for bit. Inductor keeps the fused norms and SiLU in FP32 where eager rounds
+    each op to bf16, which flips some FP8 activation roundings: fp8-block logits moved by up to 3 %
+    of their max (H200), hence a norm bound of 5 % (a wrong op would be off by ~100 %)."""
+    import quantkit
+
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cuda")
+    quantkit.quantize_model(model, format=fmt)
+    ids = torch.randint(0, 1024, shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    eager = model(input_ids=ids).logits.float()
+    compiled = torch.compile(model, backend="inductor")
+    out = compiled(input_ids=ids).logits
+    assert (out.float() - eager).norm() <= 0.05 * eager.norm()
+    graph = bench.capture_graph(lambda: out.copy_(compiled(input_ids=ids).logits), warmup=2)
+    first = out.clone()
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, first)
+
+
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_decode_cuda_graph_replays_equal_eager_steps():

@@ -4,7 +4,9 @@
   position only (what serving computes), tokens/s = batch * seq / time;
 * decode: after a ``context``-token prefill into a static KV cache, one new token per sequence
   per step (greedy, fed back), tokens/s = batch / time per step; on CUDA each step is a captured
-  CUDA graph (falls back to eager, with the reason, where capture fails);
+  CUDA graph (falls back to eager, with the reason, where capture fails); with ``compile`` the
+  step runs through ``torch.compile`` first (Inductor fuses the model's elementwise ops; the
+  quantized GEMMs stay opaque custom ops), as gpt-fast and vLLM run decode;
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
   ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models;
   on CUDA each call is a captured CUDA graph, so the time is the kernels' (host launch excluded;
@@ -46,6 +48,7 @@ class BenchSettings:
     warmup: int = 3
     iters: int = 10
     cuda_graphs: bool = True
+    compile: str | None = None  # a torch.compile backend ("inductor") for the decode steps
 
 
 @dataclass(frozen=True)
@@ -199,20 +202,26 @@ def capture_graph(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph
 
 
 def greedy_decoder(
-    model: PreTrainedModel, prompt: torch.Tensor, max_cache_len: int
+    model: PreTrainedModel, prompt: torch.Tensor, max_cache_len: int, compile_backend: str | None = None
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """Prefill ``prompt`` [B, T] (int64) into a static KV cache of ``max_cache_len`` positions and
     return ``(step, tokens)``: ``tokens`` [B, 1] starts as the greedy token after the prompt, and
     each ``step()`` feeds it and overwrites it in place with the next greedy token. Every tensor
     ``step`` touches stays put, so it can be captured as a CUDA graph (call under
-    ``torch.inference_mode()``)."""
+    ``torch.inference_mode()``). ``compile_backend``: run the steps (not the prefill) through
+    ``torch.compile`` with this backend."""
     cache_arg = {_cache_kwarg(model): StaticCache(config=model.config, max_cache_len=max_cache_len)}
     logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_arg).logits
     tokens = logits[:, -1].argmax(-1, keepdim=True)
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_arg).logits
-        tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    run = torch.compile(forward, backend=compile_backend) if compile_backend else forward
+
+    def step() -> None:
+        tokens.copy_(run())
 
     return step, tokens
 
@@ -224,7 +233,7 @@ def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[Decode
     results = []
     for batch in settings.decode_batches:
         max_len = settings.context + 2 * settings.warmup + settings.decode_steps + 1  # capture may fail after its warm-up
-        step, _ = greedy_decoder(model, _random_tokens(model, batch, settings.context), max_len)
+        step, _ = greedy_decoder(model, _random_tokens(model, batch, settings.context), max_len, settings.compile)
         run, graph, note = step, False, None
         if device.type == "cuda" and settings.cuda_graphs:
             try:  # warm-up steps run inside capture_graph; a captured step advances the cache on replay only
