@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--calib", default=None, help="calibration source (quantkit.calibrate.data); default: embedded corpus")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--calib-seed", type=int, default=0, help="shuffle of the calibration passages (token_samples)")
     p.add_argument("--options", default="{}", help='JSON per-algorithm options, e.g. {"mse": {"weighted": true}}')
     p.add_argument("--propagate", default="quantized", choices=["quantized", "float"],
                    help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
@@ -124,10 +125,11 @@ def main() -> None:
     base, tokenizer = load_model("demo", dtype=torch.float32)
     windows = wikitext_windows(tokenizer, args.windows, args.seq_len)
     requests = lambada_requests(tokenizer, args.docs)
-    calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len)
+    calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len,
+                          seed=args.calib_seed)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     setup = {"windows": args.windows, "seq_len": args.seq_len, "docs": args.docs, "calib": args.calib or "embedded corpus",
-             "calib_tokens": calib.numel(), "threads": torch.get_num_threads(), "propagate": args.propagate,
+             "calib_tokens": calib.numel(), "calib_seed": args.calib_seed, "threads": torch.get_num_threads(), "propagate": args.propagate,
              # the CPU kernels' vector ISA: AVX2 and AVX-512 round float32 sums differently, which flips
              # calibration choices (docs/accuracy.md, footnote 13); ATEN_CPU_CAPABILITY selects it
              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
