@@ -144,9 +144,10 @@ def test_smoothing_pairs_found(arch):
     assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
 
 
-def test_awq_settings_default_to_10_points_on_2048_tokens():
-    assert AWQ()._settings() == (10, 2048)
-    assert AWQ(grid=5, max_tokens=64)._settings() == (5, 64)
+def test_awq_settings_default_by_whether_activations_are_quantized():
+    assert AWQ()._settings(quantized_activations=True) == (10, 2048)
+    assert AWQ()._settings(quantized_activations=False) == (20, 4096)
+    assert AWQ(grid=5, max_tokens=64)._settings(quantized_activations=False) == (5, 64)
 
 
 def test_awq_gram_error_equals_the_token_error():

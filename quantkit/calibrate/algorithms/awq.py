@@ -43,17 +43,18 @@ def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: i
     return [torch.cat(c)[:max_tokens] for c in captured]
 
 
-# (grid points, max tokens) when not given. With quantized activations each candidate costs a GEMM
-# over the tokens, and 10 x 2048 cost 2.5x less than AutoAWQ's 20 x 4096 at +0.4 % perplexity
-# (Gemma-3-270M NVFP4 awq+mse 32.50 vs 32.37). With float activations (the Gram form) 20 x 4096
-# gave the lower perplexity (W4A16 28.86 / 29.07 vs 29.22 / 29.24 on AVX2 / AVX-512 hosts) but
-# not the higher LAMBADA on all 5153 documents (38.40 / 37.20 vs 38.48 / 39.65): docs/accuracy.md.
-DEFAULTS = (10, 2048)
+# (grid points, max tokens) when not given, by whether the format quantizes activations. With
+# quantized activations each candidate costs a GEMM over the tokens, and 10 x 2048 cost 2.5x less
+# than AutoAWQ's 20 x 4096 at +0.4 % perplexity (Gemma-3-270M NVFP4 awq+mse 32.50 vs 32.37). With
+# float activations (the Gram form) AutoAWQ's 20 x 4096 costs ~20 s more on CPU and, over 5
+# calibration samples, gave W4A16 perplexity 29.05 vs 29.21 and LAMBADA 39.4 vs 38.5 (means), with
+# half the spread between samples: docs/accuracy.md, "Calibration noise".
+DEFAULTS = {True: (10, 2048), False: (20, 4096)}  # by "activations quantized"
 
 
 class AWQ(Algorithm):
     """Grid search of ``α`` in ``[0, 1)`` (``grid`` points) per smoothing pair on at most
-    ``max_tokens`` calibration tokens (``None``: :data:`DEFAULTS`), then fold the
+    ``max_tokens`` calibration tokens (``None``: :data:`DEFAULTS` for the format), then fold the
     best scale. ``duo`` (default): AutoAWQ's ``s = m^α / w^(1-α)`` (``w``: the consumers' mean
     relative ``|W|`` of the channel), which on Gemma-3-270M NVFP4 gave perplexity 32.7 against 33.0
     for ``m^α``."""
@@ -96,9 +97,11 @@ class AWQ(Algorithm):
                 error += (xs @ w_hat.T - reference[name]).pow(2).sum().item()
         return error
 
-    def _settings(self) -> tuple[int, int]:
-        """(grid points, max tokens): the given ones, else :data:`DEFAULTS`."""
-        return self.grid or DEFAULTS[0], self.max_tokens or DEFAULTS[1]
+    def _settings(self, quantized_activations: bool) -> tuple[int, int]:
+        """(grid points, max tokens): the given ones, else :data:`DEFAULTS` for a format that does or
+        does not quantize activations."""
+        grid, max_tokens = DEFAULTS[quantized_activations]
+        return self.grid or grid, self.max_tokens or max_tokens
 
     def _candidates(self, ctx: LayerContext, pair: SmoothingPair, grid: int) -> list[torch.Tensor]:
         """The scales tried: ``1``, then ``m^α`` (or ``m^α / w^(1-α)`` with ``duo``) for ``α`` on a
@@ -120,7 +123,7 @@ class AWQ(Algorithm):
         pairs = smoothing_pairs(ctx)
         if not pairs:
             return
-        grid, max_tokens = self._settings()
+        grid, max_tokens = self._settings(ctx.fmt.activation is not None)
         inputs = _capture_inputs(ctx, pairs, max_tokens)
         for pair, x in zip(pairs, inputs):
             x = x.to(pair.producer.weight.device)
