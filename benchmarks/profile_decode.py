@@ -1,0 +1,58 @@
+"""Where a compiled decode step's GPU time goes: ``torch.profiler`` over a few Inductor-compiled
+decode steps of a random-init model, kernel time per step grouped by kernel name.
+
+    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+import quantkit
+from quantkit.eval import bench
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--format", default="nvfp4-w4a16", help="'bf16' = unquantized")
+    p.add_argument("--config", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU operators instead of kernels)")
+    args = p.parse_args()
+
+    model = bench.random_init_model(bench.load_config(args.config), device=args.device)
+    if args.format != "bf16":
+        quantkit.quantize_model(model, format=args.format)
+    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)
+    with torch.inference_mode():
+        step, _ = bench.greedy_decoder(model, prompt, args.context + args.steps + 8, compile_backend="inductor")
+        for _ in range(3):  # compile and warm up
+            step()
+        cuda = args.device == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for _ in range(args.steps):
+                step()
+            sync()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == kind:
+            per_name[event.name][0] += (event.device_time_total if cuda else event.self_cpu_time_total) / args.steps
+            per_name[event.name][1] += 1 / args.steps
+    total = sum(t for t, _ in per_name.values())
+    print(f"{args.format} batch {args.batch}: GPU kernel time per step {total / 1e3:.3f} ms, "
+          f"{sum(c for _, c in per_name.values()):.0f} kernels per step")
+    for name, (t, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{t / 1e3:8.3f} ms {count:6.0f}x {t / max(count, 1):8.2f} us  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
