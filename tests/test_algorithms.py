@@ -144,10 +144,23 @@ def test_smoothing_pairs_found(arch):
     assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
 
 
-def test_awq_settings_default_by_whether_activations_are_quantized():
-    assert AWQ()._settings(quantized_activations=True) == (10, 2048)
-    assert AWQ()._settings(quantized_activations=False) == (20, 4096)
-    assert AWQ(grid=5, max_tokens=64)._settings(quantized_activations=False) == (5, 64)
+@pytest.mark.parametrize("fmt,grid,tokens", [("nvfp4-w4a16", 20, 4096), ("nvfp4", 10, 2048)])
+def test_awq_default_search_by_whether_activations_are_quantized(monkeypatch, fmt, grid, tokens):
+    """By default AWQ scores AutoAWQ's 20 candidates on up to 4096 tokens where activations stay in
+    float (the Gram form makes tokens cheap), 10 on up to 2048 where they are quantized; given
+    options win."""
+    import quantkit.calibrate.algorithms.awq as awq_module
+
+    capture, candidates = awq_module._capture_inputs, AWQ._candidates
+    seen, scored = [], []
+    monkeypatch.setattr(awq_module, "_capture_inputs",
+                        lambda ctx, pairs, max_tokens: seen.append(max_tokens) or capture(ctx, pairs, max_tokens))
+    monkeypatch.setattr(AWQ, "_candidates", lambda self, ctx, pair, g: scored.append(g) or candidates(self, ctx, pair, g))
+    for algo, want in ((AWQ(), (grid, tokens)), (AWQ(grid=5, max_tokens=64), (5, 64))):
+        seen.clear()
+        scored.clear()
+        transform_only(with_outliers("llama"), algo, fmt)
+        assert set(scored) == {want[0]} and set(seen) == {want[1]}
 
 
 def test_awq_gram_error_equals_the_token_error():
