@@ -164,6 +164,26 @@ def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_compiled_prefill_times_the_compiled_model(monkeypatch):
+    """``bench --compile`` prefill: every shape runs through one ``torch.compile`` of the model."""
+    import quantkit
+
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
+    quantkit.quantize_model(model, format="nvfp4")
+    compiled = []
+    real_compile = torch.compile
+
+    def spy(fn, **kwargs):
+        compiled.append((fn, kwargs))
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    settings = bench.BenchSettings(prefill_shapes=((1, 16), (2, 8)), warmup=1, iters=1, compile="aot_eager")
+    results = bench.bench_prefill(model, settings)
+    assert compiled == [(model, {"backend": "aot_eager"})]
+    assert [(r.batch, r.seq) for r in results] == [(1, 16), (2, 8)] and all(r.seconds > 0 for r in results)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4-w4a16", "fp8-block"])
 @pytest.mark.parametrize("shape", [(8, 1), (4, 16)])

@@ -5,8 +5,8 @@
 * decode: after a ``context``-token prefill into a static KV cache, one new token per sequence
   per step (greedy, fed back), tokens/s = batch / time per step; on CUDA each step is a captured
   CUDA graph (falls back to eager, with the reason, where capture fails); with ``compile`` the
-  step runs through ``torch.compile`` first (Inductor fuses the model's elementwise ops; the
-  quantized GEMMs stay opaque custom ops), as gpt-fast and vLLM run decode;
+  prefill forwards and the steps run through ``torch.compile`` (Inductor fuses the model's
+  elementwise ops; the quantized GEMMs stay opaque custom ops), as gpt-fast and vLLM run them;
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
   ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models;
   on CUDA each call is a captured CUDA graph, so the time is the kernels' (host launch excluded;
@@ -48,7 +48,7 @@ class BenchSettings:
     warmup: int = 3
     iters: int = 10
     cuda_graphs: bool = True
-    compile: str | None = None  # a torch.compile backend ("inductor") for the decode steps
+    compile: str | None = None  # a torch.compile backend ("inductor") for prefill and decode steps
 
 
 @dataclass(frozen=True)
@@ -166,13 +166,15 @@ def _random_tokens(model: PreTrainedModel, batch: int, seq: int) -> torch.Tensor
 
 @torch.inference_mode()
 def bench_prefill(model: PreTrainedModel, settings: BenchSettings) -> list[PrefillResult]:
-    """Prefill throughput at each of ``settings.prefill_shapes``."""
+    """Prefill throughput at each of ``settings.prefill_shapes`` (through ``torch.compile`` with
+    ``settings.compile``: one compiled model for all shapes, recompiled once with dynamic shapes)."""
     device = model_device(model)
+    forward = torch.compile(model, backend=settings.compile) if settings.compile else model
     results = []
     for batch, seq in settings.prefill_shapes:
         ids = _random_tokens(model, batch, seq)
         seconds = time_call(
-            lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+            lambda: forward(input_ids=ids, use_cache=False, logits_to_keep=1),
             warmup=settings.warmup,
             iters=settings.iters,
             device=device,
