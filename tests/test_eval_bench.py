@@ -133,8 +133,9 @@ def test_greedy_decoder_continues_like_a_full_recompute():
     assert torch.equal(torch.cat(got, dim=1), _full_recompute_greedy(model, prompt, 6))
 
 
-def _decode_tokens(model, prompt, steps, compile_backend=None):
-    step, tokens = bench.greedy_decoder(model, prompt, max_cache_len=prompt.shape[1] + steps + 1,
+def _decode_tokens(model, prompt, steps, compile_backend=None, max_cache_len=None):
+    """int64 ``[B, steps]``: the tokens of ``steps`` greedy decoder steps after ``prompt``."""
+    step, tokens = bench.greedy_decoder(model, prompt, max_cache_len or prompt.shape[1] + steps + 1,
                                         compile_backend=compile_backend)
     out = []
     for _ in range(steps):
@@ -215,15 +216,11 @@ def test_inductor_forward_with_sm90_kernels_matches_eager(fmt, shape):
 def test_decode_cuda_graph_replays_equal_eager_steps():
     model = bench.random_init_model(bench.load_config("tiny-llama"), device="cuda")
     prompt = torch.randint(0, 1024, (4, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    eager_step, eager_tokens = bench.greedy_decoder(model, prompt, max_cache_len=40)
-    eager = []
-    for _ in range(10):
-        eager_step()
-        eager.append(eager_tokens.clone())
+    eager = _decode_tokens(model, prompt, 10, max_cache_len=40)
     step, tokens = bench.greedy_decoder(model, prompt, max_cache_len=40)
     graph = bench.capture_graph(step, warmup=3)
     replayed = []
     for _ in range(7):
         graph.replay()
         replayed.append(tokens.clone())
-    assert torch.equal(torch.cat(replayed, 1), torch.cat(eager[3:], 1))
+    assert torch.equal(torch.cat(replayed, 1), eager[:, 3:])
