@@ -102,6 +102,16 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
     assert (tmp_path / "bench_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_tables_leave_out_what_the_run_did_not_measure():
+    from quantkit.eval.report import bench_tables
+
+    prefill_only = [bench.ModelBench(name, [bench.PrefillResult(1, 64, s, 64 / s)], [], [])
+                    for name, s in (("bf16", 0.002), ("nvfp4", 0.001))]
+    tables = bench_tables(prefill_only, prefill_only[0])
+    assert list(tables) == ["Prefill tokens/s"]
+    assert tables["Prefill tokens/s"][1] == [["1", "64", "32,000", "64,000", "2.00"]]
+
+
 def test_layer0_linears_finds_quantlinear_layers():
     """GEMM timings of a quantized model time its QuantLinear layers (lm_head stays bf16)."""
     import quantkit

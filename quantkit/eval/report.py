@@ -140,8 +140,8 @@ def _side_by_side(
 
 
 def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> dict[str, TableData]:
-    """The bench report's tables by title (prefill, decode, GEMMs, and notes where decode ran
-    without CUDA graphs), models side by side, speed-ups against ``baseline``."""
+    """The bench report's tables by title (those of prefill, decode and GEMMs that have rows, and
+    notes where decode ran without CUDA graphs), models side by side, speed-ups against ``baseline``."""
     base = baseline.model if baseline else None
     tables = {
         "Prefill tokens/s": _side_by_side(
@@ -157,6 +157,7 @@ def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> 
             base, "µs", False, ",.1f",
         ),
     }
+    tables = {title: table for title, table in tables.items() if table[1]}  # what the run measured
     eager: dict[tuple[str, str], list[str]] = {}
     for b in benches:
         for r in b.decode:
