@@ -44,6 +44,8 @@ from timing import graph_median_us, interleaved_us  # noqa: E402  (benchmarks/ti
 SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+    # Llama-3.1-8B as transformers runs it (no fused q/k/v or gate/up): k/v, gate/up, q/o, down
+    "8b-hf": [(1024, 4096), (14336, 4096), (4096, 4096), (4096, 14336)],
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 W4A8_MS = [64, 256, 1024, 2048, 4096]

@@ -1,7 +1,7 @@
 """Where a compiled decode step's GPU time goes: ``torch.profiler`` over a few Inductor-compiled
 decode steps of a random-init model, kernel time per step grouped by kernel name.
 
-    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1]
+    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels of a step in launch order")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU operators instead of kernels)")
     args = p.parse_args()
 
@@ -48,6 +49,12 @@ def main() -> None:
             per_name[event.name][0] += (event.device_time_total if cuda else event.self_cpu_time_total) / args.steps
             per_name[event.name][1] += 1 / args.steps
     total = sum(t for t, _ in per_name.values())
+    if args.sequence:
+        launches = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+        print(f"first {args.sequence} kernels of the first profiled step, in launch order:")
+        for e in launches[:args.sequence]:
+            t = e.device_time_total if cuda else e.self_cpu_time_total
+            print(f"{t:8.2f} us  {e.name[:100]}")
     print(f"{args.format} batch {args.batch}: GPU kernel time per step {total / 1e3:.3f} ms, "
           f"{sum(c for _, c in per_name.values()):.0f} kernels per step")
     for name, (t, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
