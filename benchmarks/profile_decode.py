@@ -1,5 +1,6 @@
-"""Where a compiled decode step's GPU time goes: ``torch.profiler`` over a few Inductor-compiled
-decode steps of a random-init model, kernel time per step grouped by kernel name.
+"""Where a compiled decode step's GPU time goes: ``torch.profiler`` over a few replays of a CUDA
+graph of an Inductor-compiled decode step (on CPU: the compiled step) of a random-init model,
+kernel time per step grouped by kernel name.
 
     python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40]
 """
@@ -31,10 +32,12 @@ def main() -> None:
         quantkit.quantize_model(model, format=args.format)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)
     with torch.inference_mode():
-        step, _ = bench.greedy_decoder(model, prompt, args.context + args.steps + 8, compile_backend="inductor")
+        step, _ = bench.greedy_decoder(model, prompt, args.context + args.steps + 16, compile_backend="inductor")
+        cuda = args.device == "cuda"
+        if cuda:  # as `quantkit bench` times it: replays of the captured compiled step
+            step = bench.capture_graph(step, warmup=3).replay
         for _ in range(3):  # compile and warm up
             step()
-        cuda = args.device == "cuda"
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
@@ -51,10 +54,12 @@ def main() -> None:
     total = sum(t for t, _ in per_name.values())
     if args.sequence:
         launches = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
-        print(f"first {args.sequence} kernels of the first profiled step, in launch order:")
+        print(f"first {args.sequence} kernels of the first profiled step, in launch order "
+              "(start and end in us from the first one's start; duration):")
+        t0 = launches[0].time_range.start if launches else 0
         for e in launches[:args.sequence]:
             t = e.device_time_total if cuda else e.self_cpu_time_total
-            print(f"{t:8.2f} us  {e.name[:100]}")
+            print(f"{e.time_range.start - t0:9.2f} {e.time_range.end - t0:9.2f} {t:8.2f} us  {e.name[:90]}")
     print(f"{args.format} batch {args.batch}: GPU kernel time per step {total / 1e3:.3f} ms, "
           f"{sum(c for _, c in per_name.values()):.0f} kernels per step")
     for name, (t, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
