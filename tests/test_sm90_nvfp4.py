@@ -430,11 +430,12 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
 
 def test_gemv_config_rule():
     """The fitted rule: 8 warps with PDL; 3 stages (1 CTA/SM) when the grid fits one wave, else 2
-    (2 CTAs/SM); a 2-way K-split only for narrow, deep weights; slots for the next power of 2 of M."""
+    (2 CTAs/SM); a 2-way K-split only for narrow, deep weights or very narrow ones (a quarter of
+    the SMs); slots for the next power of 2 of M."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     for n_pad, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192),
-                     (8192, 28672)):
+                     (8192, 28672), (1024, 4096), (1024, 8192)):
         for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
             for m in (1, 3, 8):
                 cfg = gv.pick_gemv_config(m, n_pad, k, epi)
@@ -442,9 +443,11 @@ def test_gemv_config_rule():
                 ctas = n_pad // (64 * cfg.tiles) * cfg.splits
                 assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
                 assert ctas <= cfg.ctas_per_sm() * 132 or cfg.stages == 2  # deeper ring only within one wave
-    rule = {(n, k): (c.stages, c.splits) for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (57344, 8192))
+    rule = {(n, k): (c.stages, c.splits, c.cluster) for n, k in ((4096, 4096), (4096, 14336), (8192, 8192),
+                                                                 (57344, 8192), (1024, 4096), (1024, 1024))
             for c in [gv.pick_gemv_config(1, n, k, Epilogue())]}
-    assert rule == {(4096, 4096): (3, 1), (4096, 14336): (3, 2), (8192, 8192): (3, 1), (57344, 8192): (2, 1)}
+    assert rule == {(4096, 4096): (3, 1, False), (4096, 14336): (3, 2, True), (8192, 8192): (3, 1, False),
+                    (57344, 8192): (2, 1, False), (1024, 4096): (3, 2, True), (1024, 1024): (3, 1, False)}
     assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
     with pytest.raises(ValueError):
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))

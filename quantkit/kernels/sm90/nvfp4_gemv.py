@@ -103,14 +103,17 @@ class GemvConfig:
 def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132) -> GemvConfig:
     """The decode GEMV's config for ``m`` tokens (rules fitted to the H200 sweeps in
     ``benchmarks/notes/nvfp4.md``): 8 warps, PDL, ring slots for the next power of two of ``m``
-    tokens; no K-split unless the weight has at most half a CTA per SM and each warp would run
-    >= 12 k-tiles (then 2, as a cluster meeting in distributed shared memory); 3 stages (one CTA
-    per SM) while the grid fits one wave, else 2 (two)."""
+    tokens; a 2-way K-split (a cluster meeting in distributed shared memory) where the weight has
+    at most half a CTA per SM and each warp would run >= 12 k-tiles, or at most a quarter of a CTA
+    per SM (k/v projections) and >= 4 k-tiles per warp; 3 stages (one CTA per SM) while the grid
+    fits one wave, else 2 (two)."""
     tiles = 2 if epilogue.activation == "swiglu" else 1
     warps = 8
     ctas = n_pad // (ng.ROWS * tiles)
     k_tiles_per_warp = (k // ng.BK) // (warps // tiles)
-    splits = 2 if (2 * ctas <= num_sms and k_tiles_per_warp >= 12) else 1
+    deep = 2 * ctas <= num_sms and k_tiles_per_warp >= 12
+    narrow = 4 * ctas <= num_sms and k_tiles_per_warp >= 4
+    splits = 2 if deep or narrow else 1
     stages = 3 if ctas * splits <= num_sms else 2
     return GemvConfig(warps, tiles, stages, splits, tokens=1 << max(0, m - 1).bit_length(), pdl=True,
                       cluster=splits > 1)
