@@ -6,6 +6,7 @@ Public API::
     quantkit.quantize_model(model, "nvfp4")        # round-to-nearest swap, no data
     quantkit.QuantLinear.from_linear(linear, "nvfp4")
     quantkit.save(model, out_dir) / quantkit.load(out_dir)
+    quantkit.fuse_projections(model)               # q/k/v and gate/up as one GEMM each, for inference
     quantkit.get_format("nvfp4")
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "QuantLinear": "quantkit.nn",
     "quantize_model": "quantkit.nn",
+    "fuse_projections": "quantkit.nn",
     "get_format": "quantkit.formats",
     "quantize": "quantkit.calibrate",
     "Recipe": "quantkit.calibrate",
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from quantkit.calibrate import Recipe, quantize
     from quantkit.export import load, save
     from quantkit.formats import get_format
-    from quantkit.nn import QuantLinear, quantize_model
+    from quantkit.nn import QuantLinear, fuse_projections, quantize_model
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

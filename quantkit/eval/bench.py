@@ -7,6 +7,8 @@
   CUDA graph (falls back to eager, with the reason, where capture fails); with ``compile`` the
   prefill forwards and the steps run through ``torch.compile`` (Inductor fuses the model's
   elementwise ops; the quantized GEMMs stay opaque custom ops), as gpt-fast and vLLM run them;
+  with ``fuse`` the q/k/v and gate/up projections of both models run as one GEMM each
+  (:func:`quantkit.fuse_projections`), as serving engines run them;
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
   ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models;
   on CUDA each call is a captured CUDA graph, so the time is the kernels' (host launch excluded;
@@ -31,6 +33,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, StaticCache
 
 from quantkit.eval.perplexity import model_device
+from quantkit.nn.fuse import fuse_projections
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -49,6 +52,7 @@ class BenchSettings:
     iters: int = 10
     cuda_graphs: bool = True
     compile: str | None = None  # a torch.compile backend ("inductor") for prefill and decode steps
+    fuse: bool = False  # q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), in place
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,10 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmRes
 
 
 def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings) -> ModelBench:
-    """Prefill, decode and GEMM measurements of ``model``, reported under ``name``."""
+    """Prefill, decode and GEMM measurements of ``model``, reported under ``name`` (with
+    ``settings.fuse``, of the model after :func:`quantkit.fuse_projections`)."""
+    if settings.fuse:
+        fuse_projections(model)
     return ModelBench(
         model=name,
         prefill=bench_prefill(model, settings),

@@ -187,6 +187,7 @@ def bench_command(
     iters: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 10,
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
+    fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
     """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, measured in the
@@ -209,7 +210,7 @@ def bench_command(
     settings = BenchSettings(
         prefill_shapes=_shapes(prefill), decode_batches=_ints(decode_batches), context=context,
         decode_steps=decode_steps, gemm_m=_ints(gemm_m), warmup=warmup, iters=iters, cuda_graphs=cuda_graphs,
-        compile="inductor" if compile_model else None,
+        compile="inductor" if compile_model else None, fuse=fuse,
     )
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
 

@@ -25,6 +25,7 @@ from quantkit.export.names import CheckpointNames
 from quantkit.formats import QuantizedWeight
 from quantkit.nn import QuantLinear
 from quantkit.nn.experts import linearize_experts, router_names
+from quantkit.nn.fuse import FusedProjections
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -49,13 +50,17 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     (what ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts
     are written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE
     loaders read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
-    Raises ``ValueError`` for a model without QuantLinear layers, a format the flavour lacks, or a
-    static-activation format (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
+    Raises ``ValueError`` for a model without QuantLinear layers or with fused projections
+    (:func:`quantkit.fuse_projections`), a format the flavour lacks, or a static-activation format
+    (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
     """
     flavour = _flavour(export)
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         raise ValueError("save needs a Hugging Face model (one with a .config)")
+    if any(isinstance(m, FusedProjections) for m in model.modules()):
+        raise ValueError("the model's projections are fused for inference (quantkit.fuse_projections): "
+                         "save the model before fusing them")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not layers:
         raise ValueError("the model has no QuantLinear layers: quantize it first (quantkit.quantize or quantize_model)")
