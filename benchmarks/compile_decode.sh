@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device run of session 18: decode tokens/s of Llama-3.1-8B (random weights) with and without
 # `quantkit bench --compile`, bf16 baseline in each run. Reports (md + json) land in $OUT.
+# FLAGS adds bench options to every run (e.g. FLAGS=--fuse: q/k/v and gate/up as one GEMM each).
 set -u
-B="python -m quantkit.cli bench --random-init ${MODEL:-llama-3.1-8b} --prefill ${PREFILL:-1x2048} --gemm-m 1 --iters 5"
+B="python -m quantkit.cli bench --random-init ${MODEL:-llama-3.1-8b} --prefill ${PREFILL:-1x2048} --gemm-m 1 --iters 5 ${FLAGS:-}"
 run() {  # name, bench arguments...
   local name=$1; shift
   local t=$(date +%s)
