@@ -5,8 +5,9 @@ transformers calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` one after another
 :func:`fuse_projections` each of them is a :class:`ProjectionSlice` of one
 :class:`FusedProjections`: the first call on an input runs the fused GEMM and the calls on the
 same tensor object take their column slices of its output (views, no copy); a call on another
-tensor runs the GEMM again, so any call order stays correct. The output is released once every
-member has taken its slice. Works eagerly, under CUDA-graph capture and inside one
+tensor runs the GEMM again, so any call order stays correct (an input modified in place between
+the members' calls would not be seen; transformers does not do that). The output is released once
+every member has taken its slice. Works eagerly, under CUDA-graph capture and inside one
 ``torch.compile`` graph.
 
 Fusion is for running a model, not for saving it: :func:`quantkit.save` refuses a fused model.
