@@ -49,20 +49,22 @@ def main() -> None:
                 step()
             sync()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    launches = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+
+    def duration(event) -> float:
+        return event.device_time_total if cuda else event.self_cpu_time_total
+
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == kind:
-            per_name[event.name][0] += (event.device_time_total if cuda else event.self_cpu_time_total) / args.steps
-            per_name[event.name][1] += 1 / args.steps
+    for event in launches:
+        per_name[event.name][0] += duration(event) / args.steps
+        per_name[event.name][1] += 1 / args.steps
     total = sum(t for t, _ in per_name.values())
     if args.sequence:
-        launches = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
         print(f"first {args.sequence} kernels of the first profiled step, in launch order "
               "(start and end in us from the first one's start; duration):")
         t0 = launches[0].time_range.start if launches else 0
         for e in launches[:args.sequence]:
-            t = e.device_time_total if cuda else e.self_cpu_time_total
-            print(f"{e.time_range.start - t0:9.2f} {e.time_range.end - t0:9.2f} {t:8.2f} us  {e.name[:90]}")
+            print(f"{e.time_range.start - t0:9.2f} {e.time_range.end - t0:9.2f} {duration(e):8.2f} us  {e.name[:90]}")
     print(f"{args.format} batch {args.batch}: GPU kernel time per step {total / 1e3:.3f} ms, "
           f"{sum(c for _, c in per_name.values()):.0f} kernels per step")
     for name, (t, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:args.top]:

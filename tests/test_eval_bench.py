@@ -154,11 +154,13 @@ def _decode_tokens(model, prompt, steps, compile_backend=None, max_cache_len=Non
     return torch.cat(out, 1)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @torch.inference_mode()
-def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt):
+def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt, fuse):
     """``bench --compile``: dynamo captures a whole decode step (static cache, QuantLinear custom
-    ops) as one graph, compiled once for all steps, and the steps decode the eager tokens."""
+    ops; with ``fuse``, the fused projections' slices) as one graph, compiled once for all steps,
+    and the steps decode the eager (unfused) tokens."""
     from torch._dynamo.utils import counters
 
     import quantkit
@@ -168,6 +170,8 @@ def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt):
         quantkit.quantize_model(model, format=fmt)
     prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
     eager = _decode_tokens(model, prompt, 6)
+    if fuse:
+        quantkit.fuse_projections(model)
     torch._dynamo.reset()
     counters.clear()
     compiled = _decode_tokens(model, prompt, 6, compile_backend="aot_eager")

@@ -57,30 +57,6 @@ def test_slices_take_their_columns_in_any_order_and_release_the_output():
     assert torch.equal(attn.q_proj(x), want["q_proj"]) and len(calls) == 3
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@torch.inference_mode()
-def test_compiled_decode_step_of_a_fused_model_is_one_graph(fmt):
-    from torch._dynamo.utils import counters
-
-    model = _tiny(fmt)
-    prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
-
-    def decode(compile_backend=None):
-        step, tokens = bench.greedy_decoder(model, prompt, 20, compile_backend=compile_backend)
-        out = []
-        for _ in range(5):
-            step()
-            out.append(tokens.clone())
-        return torch.cat(out, 1)
-
-    eager = decode()
-    quantkit.fuse_projections(model)
-    torch._dynamo.reset()
-    counters.clear()
-    assert torch.equal(decode("aot_eager"), eager)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-
-
 @torch.inference_mode()
 def test_groups_that_do_not_stack_exactly_stay_unfused():
     model = _tiny("nvfp4")
