@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import functools
-import shutil
 import json
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,22 @@ def test_round_trip_gives_identical_model_and_logits(fmt, export, tmp_path):
            {n: m.format for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, logits)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_save_warns_only_where_a_fused_member_splits_a_row_block(fmt, tmp_path):
+    # tiny_llama: q_proj 128 rows, k/v_proj 64; only fp8-block has multi-row (128) scale blocks,
+    # and vLLM stacks k_proj before v_proj (tests/test_vllm_serving.py shows its refusal).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(quantized(fmt)[0], tmp_path / "out")
+    messages = [str(w.message) for w in caught if "vLLM will not load" in str(w.message)]
+    if fmt == "fp8-block":
+        assert len(messages) == 1 and "model.layers.0.self_attn.k_proj has" in messages[0]
+        assert "v_proj" not in messages[0] and "q_proj" not in messages[0]
+    else:
+        assert not messages
+    assert (tmp_path / "out" / "config.json").exists()
 
 
 @pytest.mark.parametrize("fmt", sorted(set(FORMAT_NAMES) - set(MODELOPT_FORMATS)))

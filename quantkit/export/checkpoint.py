@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -22,10 +23,11 @@ from quantkit.export.io import (
 )
 from quantkit.export.layout import Scheme, TensorSpec, export_layer, import_layer
 from quantkit.export.names import CheckpointNames
-from quantkit.formats import QuantizedWeight
+from quantkit.formats import QuantizedWeight, get_format
 from quantkit.nn import QuantLinear
 from quantkit.nn.experts import linearize_experts, router_names
 from quantkit.nn.fuse import FusedProjections
+from quantkit.nn.swap import fused_groups
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -68,6 +70,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     if len(formats) > 1:
         raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
     fmt = formats[0]
+    _warn_unstackable(layers, fmt)
     specs = flavour.tensor_specs(fmt)
     names = CheckpointNames(model)
     high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
@@ -89,6 +92,22 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
             tokenizer.save_pretrained(tmp)
         write_json(tmp / CONFIG, cfg)  # last: a directory without config.json is never loaded
     return Path(out_dir)
+
+
+def _warn_unstackable(layers: dict[str, QuantLinear], fmt: str) -> None:
+    """Warn where vLLM will refuse the checkpoint: it stacks q/k/v and gate/up into one layer, and
+    a scale block may not straddle two of them (every member but the last must fill whole blocks
+    of rows, e.g. 128 for fp8-block)."""
+    rows = get_format(fmt).weight.block[0]
+    if rows <= 1:
+        return
+    ragged = [name for group in fused_groups(layers) for name in group[:-1] if layers[name].out_features % rows]
+    if ragged:
+        warnings.warn(f"vLLM will not load this {fmt} checkpoint: {', '.join(ragged)} "
+                      f"{'has' if len(ragged) == 1 else 'have'} output rows that are not a multiple of the "
+                      f"{rows}-row scale block, and vLLM stacks them with the next projection of their group. "
+                      f"quantkit.load reads it; for vLLM choose a format without row blocks (e.g. fp8-dynamic)",
+                      stacklevel=2)
 
 
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],

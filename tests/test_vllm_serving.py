@@ -1,0 +1,213 @@
+"""vLLM serves quantkit checkpoints: vLLM's own loader and linear layers on CPU.
+
+For each format and export flavour a calibrated tiny Llama is saved; ``vllm_driver.py`` (vLLM
+0.34's sources, see ``vllm_env.py``) parses the config, picks its scheme per layer, loads every
+tensor through its weight loaders into its fused q/k/v and gate/up layers, and runs each layer on
+activations captured from the quantkit model. Each output must match what the checkpoint means as
+the standard format it is stored as, computed by ``quantkit.load`` (for the tagged formats,
+``nvfp4-4over6`` and ``nvfp4-w4a8``, read without the tag: vLLM serves them as ``nvfp4`` and
+``nvfp4-w4a16``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import quantkit
+from quantkit.export import load, save
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import vllm_env
+
+# vLLM module -> the quantkit projections it stacks, in vLLM's order.
+PROJECTIONS = {
+    "model.layers.0.self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "model.layers.0.self_attn.o_proj": ("self_attn.o_proj",),
+    "model.layers.0.mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "model.layers.0.mlp.down_proj": ("mlp.down_proj",),
+}
+CT, MODELOPT = "compressed-tensors", "modelopt"
+
+
+class Expected(NamedTuple):
+    """What vLLM makes of a checkpoint: its config class, the scheme of every linear layer, and
+    what its CPU code computes: ``"served"`` the function it serves; ``"weights"`` the weights
+    times unquantized activations (vLLM's MXFP8 emulation); ``"none"`` nothing (vLLM selects GPU
+    kernels only), so only the loaded parameters are checked."""
+
+    config: str
+    scheme: str
+    cpu_forward: str = "served"
+
+
+CASES = {
+    ("nvfp4", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW4A4Fp4"),
+    ("nvfp4-4over6", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW4A4Fp4"),
+    ("nvfp4-w4a16", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW4A4Fp4"),
+    ("nvfp4-w4a8", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW4A4Fp4"),
+    ("mxfp8", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW8A8Mxfp8", "weights"),
+    ("mxfp4", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW4A4Mxfp4", "none"),
+    ("fp8-block", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW8A8Fp8", "none"),
+    ("fp8-dynamic", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW8A8Fp8"),
+    ("fp8", CT): Expected("CompressedTensorsConfig", "CompressedTensorsW8A8Fp8", "none"),
+    ("nvfp4", MODELOPT): Expected("ModelOptNvFp4Config", "ModelOptLinearMethod"),
+    ("nvfp4-w4a16", MODELOPT): Expected("ModelOptNvFp4Config", "ModelOptLinearMethod"),
+    ("fp8-dynamic", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod"),
+    ("fp8", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod"),
+}
+# Parameters vLLM creates that a checkpoint without a quantized KV cache does not fill (vLLM
+# defaults them), and the input scale a weight-only ModelOpt NVFP4 layer registers and drops.
+UNFILLED = ("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale", "attn.q_zero_point",
+            "attn.k_zero_point", "attn.v_zero_point")
+
+
+@functools.cache
+def calibrated(fmt: str, hidden: int = 256) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny Llama (k/v_proj ``hidden / 2`` rows: every N and K a multiple of 128 at the default
+    256) calibrated to ``fmt`` by round to nearest, and activations of another batch at the
+    input of each vLLM module (``[T, K]`` bf16)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
+    quantkit.quantize(model, quantkit.Recipe(fmt, ("rtn",)), ids[:4])
+    inputs, layer = {}, model.model.layers[0]
+    hooks = [layer.get_submodule(members[0]).register_forward_pre_hook(
+        lambda _, args, name=name: inputs.__setitem__(name, args[0].reshape(-1, args[0].shape[-1])))
+        for name, members in PROJECTIONS.items()]
+    with torch.no_grad():
+        model(ids[4:])
+    for hook in hooks:
+        hook.remove()
+    return model, inputs
+
+
+def read_untagged(directory: Path, tmp: Path) -> torch.nn.Module:
+    """``quantkit.load`` of the checkpoint with its ``quantkit_format`` tag removed: the standard
+    format it is stored as, as any other reader sees it."""
+    plain = tmp / "untagged"
+    shutil.copytree(directory, plain)
+    for name in ("config.json", "hf_quant_config.json"):
+        path = plain / name
+        if path.exists():
+            cfg = json.loads(path.read_text())
+            for section in (cfg, cfg.get("quantization_config", {}), cfg.get("quantization", {})):
+                section.pop("quantkit_format", None)
+            path.write_text(json.dumps(cfg))
+    return load(plain, dtype=torch.bfloat16)
+
+
+REFUSED = ("fp8-block", CT, 128)  # hidden 128: k_proj has 64 rows, half a 128-row block
+
+
+@dataclass
+class Checkpoint:
+    directory: Path
+    inputs: dict[str, torch.Tensor]
+    warnings: list[str]
+    result: dict = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
+    """Every case of CASES (hidden 256) and REFUSED, saved by quantkit and run through
+    ``vllm_driver.py`` in one subprocess (vLLM's import costs seconds)."""
+    try:
+        vllm_src = vllm_env.ensure()
+    except RuntimeError as e:
+        pytest.skip(f"vLLM sources unavailable: {e}")
+    root = tmp_path_factory.mktemp("vllm")
+    checkpoints, jobs = {}, []
+    for fmt, export, hidden in [(*case, 256) for case in CASES] + [REFUSED]:
+        model, inputs = calibrated(fmt, hidden)
+        directory = root / f"{fmt}-{export}-{hidden}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save(model, directory, export=export)
+        save_file(inputs, directory.with_suffix(".inputs"))
+        checkpoints[fmt, export, hidden] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
+        jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
+                     "outputs": str(directory.with_suffix(".outputs"))})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_src), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(root / "jobs.json")], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    results = {r["checkpoint"]: r for r in (json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
+                                            if line.startswith("RESULT "))}
+    assert len(results) == len(jobs), f"vLLM driver failed:\n{done.stderr[-3000:]}"
+    for checkpoint in checkpoints.values():
+        checkpoint.result = results[str(checkpoint.directory)]
+        if "refused" not in checkpoint.result:
+            checkpoint.outputs = load_file(checkpoint.directory.with_suffix(".outputs"))
+    return checkpoints
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize(("fmt", "export"), list(CASES))
+def test_vllm_loads_and_serves_the_checkpoint(fmt, export, served, tmp_path):
+    case = CASES[fmt, export]
+    checkpoint = served[fmt, export, 256]
+    directory, inputs, result, outputs = checkpoint.directory, checkpoint.inputs, checkpoint.result, checkpoint.outputs
+    assert "refused" not in result, result["refused"]
+    assert not [w for w in checkpoint.warnings if "vLLM" in w]
+
+    assert result["quant_config"] == case.config
+    assert {result["schemes"][name] for name in PROJECTIONS} == {case.scheme}
+    weight_only_modelopt = export == MODELOPT and fmt == "nvfp4-w4a16"
+    for name in result["unloaded"]:
+        assert name.endswith(UNFILLED) or (weight_only_modelopt and name.endswith("_proj.input_scale")), name
+
+    # vLLM's fused parameters hold exactly the members' checkpoint tensors, stacked in its order.
+    tensors = {k: v for f in directory.glob("*.safetensors") for k, v in load_file(f).items()}
+    for name, members in PROJECTIONS.items():
+        prefix = "model.layers.0."
+        params = {key.split(":")[1]: value for key, value in outputs.items() if key.startswith(name + ":")}
+        compared = [p for p in params if f"{prefix}{members[0]}.{p}" in tensors]
+        assert {"weight", "weight_packed"} & set(compared), (name, sorted(params))
+        for p in compared:
+            stacked = torch.cat([as_bytes(tensors[f"{prefix}{m}.{p}"]) for m in members])
+            assert torch.equal(as_bytes(params[p]), stacked), (name, p)
+
+    if case.cpu_forward == "none":
+        assert set(result["errors"]) == set(PROJECTIONS), result["errors"]
+        return
+    assert not result["errors"], result["errors"]
+    reference = read_untagged(directory, tmp_path).model.layers[0]
+    with torch.no_grad():
+        for name, members in PROJECTIONS.items():
+            layers = [reference.get_submodule(m) for m in members]
+            x = inputs[name]
+            if case.cpu_forward == "weights":
+                expected = torch.cat([x @ layer.dequantized_weight().to(x.dtype).t() for layer in layers], dim=-1)
+            else:
+                expected = torch.cat([layer(x) for layer in layers], dim=-1)
+            got, expected = outputs[name].float(), expected.float()
+            assert got.shape == expected.shape, name
+            error = ((got - expected).norm() / expected.norm()).item()
+            assert error <= 1e-2, (name, error)
+
+
+def test_vllm_refuses_the_fp8_block_checkpoint_that_save_warns_about(served):
+    checkpoint = served[REFUSED]
+    assert [w for w in checkpoint.warnings if "vLLM will not load" in w and "self_attn.k_proj" in w]
+    assert "output_partition_size = 64 is not divisible by weight quantization block_n = 128" in \
+        checkpoint.result.get("refused", "")
