@@ -24,7 +24,12 @@ from typing import NamedTuple
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Qwen3MoeConfig,
+)
 
 import quantkit
 from quantkit.export import load, save
@@ -41,6 +46,7 @@ PROJECTIONS = {
     "model.layers.0.mlp.down_proj": ("mlp.down_proj",),
 }
 CT, MODELOPT = "compressed-tensors", "modelopt"
+EXPERTS = 4
 
 
 class Expected(NamedTuple):
@@ -75,21 +81,35 @@ UNFILLED = ("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale", "
             "attn.k_zero_point", "attn.v_zero_point")
 
 
+# Tiny models whose N and K are all multiples of 128 at hidden 256 (k/v_proj: hidden / 2 rows).
+MODELS = {
+    "llama": lambda hidden: LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "gemma3": lambda hidden: Gemma3TextConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"]),
+    "qwen3_moe": lambda hidden: Qwen3MoeConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        num_experts=EXPERTS, num_experts_per_tok=2),
+}
+
+
 @functools.cache
-def calibrated(fmt: str, hidden: int = 256) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A tiny Llama (k/v_proj ``hidden / 2`` rows: every N and K a multiple of 128 at the default
-    256) calibrated to ``fmt`` by round to nearest, and activations of another batch at the
-    input of each vLLM module (``[T, K]`` bf16)."""
+def calibrated(fmt: str, arch: str = "llama", hidden: int = 256) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest, and activations of
+    another batch at the input of each vLLM module of PROJECTIONS it has (``[T, K]`` bf16)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(MODELS[arch](hidden), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
     quantkit.quantize(model, quantkit.Recipe(fmt, ("rtn",)), ids[:4])
     inputs, layer = {}, model.model.layers[0]
-    hooks = [layer.get_submodule(members[0]).register_forward_pre_hook(
+    modules = dict(layer.named_modules())
+    hooks = [modules[members[0]].register_forward_pre_hook(
         lambda _, args, name=name: inputs.__setitem__(name, args[0].reshape(-1, args[0].shape[-1])))
-        for name, members in PROJECTIONS.items()]
+        for name, members in PROJECTIONS.items() if members[0] in modules]
     with torch.no_grad():
         model(ids[4:])
     for hook in hooks:
@@ -112,7 +132,15 @@ def read_untagged(directory: Path, tmp: Path) -> torch.nn.Module:
     return load(plain, dtype=torch.bfloat16)
 
 
-REFUSED = ("fp8-block", CT, 128)  # hidden 128: k_proj has 64 rows, half a 128-row block
+DENSE = [(fmt, export, "llama") for fmt, export in CASES] + [
+    ("nvfp4", CT, "gemma3"), ("nvfp4-w4a16", MODELOPT, "gemma3"), ("fp8-block", CT, "gemma3")]
+# vLLM's NVFP4 MoE method per flavour, and the tensors of each expert Linear it stacks into its
+# w13_* (gate and up of every expert) and w2_* (down) parameters.
+MOE = {CT: ("CompressedTensorsW4A4Nvfp4MoEMethod", ("weight_packed", "weight_scale", "weight_global_scale",
+                                                    "input_global_scale")),
+       MODELOPT: ("ModelOptNvFp4FusedMoE", ("weight", "weight_scale", "weight_scale_2", "input_scale"))}
+EXPERTS_MODULE = "model.layers.0.mlp.experts.routed_experts"
+REFUSED = ("fp8-block", CT, "llama", 128)  # hidden 128: k_proj has 64 rows, half a 128-row block
 
 
 @dataclass
@@ -126,7 +154,7 @@ class Checkpoint:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
-    """Every case of CASES (hidden 256) and REFUSED, saved by quantkit and run through
+    """Every case of DENSE and MOE (hidden 256) and REFUSED, saved by quantkit and run through
     ``vllm_driver.py`` in one subprocess (vLLM's import costs seconds)."""
     try:
         vllm_src = vllm_env.ensure()
@@ -134,16 +162,19 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         pytest.skip(f"vLLM sources unavailable: {e}")
     root = tmp_path_factory.mktemp("vllm")
     checkpoints, jobs = {}, []
-    for fmt, export, hidden in [(*case, 256) for case in CASES] + [REFUSED]:
-        model, inputs = calibrated(fmt, hidden)
-        directory = root / f"{fmt}-{export}-{hidden}"
+    moe = [("nvfp4", export, "qwen3_moe", 256) for export in MOE]
+    for key in [(*case, 256) for case in DENSE] + moe + [REFUSED]:
+        fmt, export, arch, hidden = key
+        model, inputs = calibrated(fmt, arch, hidden)
+        directory = root / "-".join(map(str, key))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             save(model, directory, export=export)
         save_file(inputs, directory.with_suffix(".inputs"))
-        checkpoints[fmt, export, hidden] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
+        checkpoints[key] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
         jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
-                     "outputs": str(directory.with_suffix(".outputs"))})
+                     "outputs": str(directory.with_suffix(".outputs")),
+                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else []})
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_src), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(root / "jobs.json")], env=env,
@@ -162,25 +193,37 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize(("fmt", "export"), list(CASES))
-def test_vllm_loads_and_serves_the_checkpoint(fmt, export, served, tmp_path):
-    case = CASES[fmt, export]
-    checkpoint = served[fmt, export, 256]
-    directory, inputs, result, outputs = checkpoint.directory, checkpoint.inputs, checkpoint.result, checkpoint.outputs
-    assert "refused" not in result, result["refused"]
-    assert not [w for w in checkpoint.warnings if "vLLM" in w]
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in directory.glob("*.safetensors") for k, v in load_file(f).items()}
 
-    assert result["quant_config"] == case.config
-    assert {result["schemes"][name] for name in PROJECTIONS} == {case.scheme}
-    weight_only_modelopt = export == MODELOPT and fmt == "nvfp4-w4a16"
-    for name in result["unloaded"]:
+
+def loaded_params(outputs: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
+    return {key.split(":")[1]: value for key, value in outputs.items() if key.startswith(module + ":")}
+
+
+def assert_loaded_cleanly(checkpoint: Checkpoint, weight_only_modelopt: bool = False) -> None:
+    """vLLM built and loaded the model, saw no reason to warn at save, and left unfilled only the
+    parameters a checkpoint without a quantized KV cache lacks."""
+    assert "refused" not in checkpoint.result, checkpoint.result["refused"]
+    assert not [w for w in checkpoint.warnings if "vLLM" in w]
+    for name in checkpoint.result["unloaded"]:
         assert name.endswith(UNFILLED) or (weight_only_modelopt and name.endswith("_proj.input_scale")), name
 
+
+@pytest.mark.parametrize(("fmt", "export", "arch"), DENSE)
+def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_path):
+    case = CASES[fmt, export]
+    checkpoint = served[fmt, export, arch, 256]
+    assert_loaded_cleanly(checkpoint, weight_only_modelopt=export == MODELOPT and fmt == "nvfp4-w4a16")
+    result, outputs, inputs = checkpoint.result, checkpoint.outputs, checkpoint.inputs
+    assert result["quant_config"] == case.config
+    assert {result["schemes"][name] for name in PROJECTIONS} == {case.scheme}
+
     # vLLM's fused parameters hold exactly the members' checkpoint tensors, stacked in its order.
-    tensors = {k: v for f in directory.glob("*.safetensors") for k, v in load_file(f).items()}
+    tensors = checkpoint_tensors(checkpoint.directory)
     for name, members in PROJECTIONS.items():
         prefix = "model.layers.0."
-        params = {key.split(":")[1]: value for key, value in outputs.items() if key.startswith(name + ":")}
+        params = loaded_params(outputs, name)
         compared = [p for p in params if f"{prefix}{members[0]}.{p}" in tensors]
         assert {"weight", "weight_packed"} & set(compared), (name, sorted(params))
         for p in compared:
@@ -191,7 +234,7 @@ def test_vllm_loads_and_serves_the_checkpoint(fmt, export, served, tmp_path):
         assert set(result["errors"]) == set(PROJECTIONS), result["errors"]
         return
     assert not result["errors"], result["errors"]
-    reference = read_untagged(directory, tmp_path).model.layers[0]
+    reference = read_untagged(checkpoint.directory, tmp_path).model.layers[0]
     with torch.no_grad():
         for name, members in PROJECTIONS.items():
             layers = [reference.get_submodule(m) for m in members]
@@ -204,6 +247,23 @@ def test_vllm_loads_and_serves_the_checkpoint(fmt, export, served, tmp_path):
             assert got.shape == expected.shape, name
             error = ((got - expected).norm() / expected.norm()).item()
             assert error <= 1e-2, (name, error)
+
+
+@pytest.mark.parametrize("export", list(MOE))
+def test_vllm_loads_the_moe_experts(export, served):
+    """Qwen3-MoE NVFP4: vLLM's MoE method takes every expert's tensors under quantkit's per-expert
+    names, stacked as w13 = [gate; up] and w2 = down per expert; the router stays unquantized."""
+    method, names = MOE[export]
+    checkpoint = served["nvfp4", export, "qwen3_moe", 256]
+    assert_loaded_cleanly(checkpoint)
+    assert checkpoint.result["schemes"][EXPERTS_MODULE] == method
+    assert checkpoint.result["schemes"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod"
+    tensors, params = checkpoint_tensors(checkpoint.directory), loaded_params(checkpoint.outputs, EXPERTS_MODULE)
+    expert = "model.layers.0.mlp.experts.{}.{}.{}"
+    for stacked, members in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
+        for name in names:
+            expected = torch.cat([as_bytes(tensors[expert.format(e, m, name)]) for e in range(EXPERTS) for m in members])
+            assert torch.equal(as_bytes(params[f"{stacked}_{name}"]), expected), (stacked, name)
 
 
 def test_vllm_refuses_the_fp8_block_checkpoint_that_save_warns_about(served):

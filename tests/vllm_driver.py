@@ -1,25 +1,29 @@
-"""Load a checkpoint with vLLM's own model loader on CPU and run its quantized linear layers.
+"""Load checkpoints with vLLM's own model loader on CPU and run its quantized linear layers.
 
 Run by ``test_vllm_serving.py`` in a subprocess whose ``PYTHONPATH`` holds vLLM's Python sources
 (see ``vllm_env.py``)::
 
-    python vllm_driver.py JOBS.json     # [{"checkpoint": DIR, "inputs": FILE, "outputs": FILE}, ...]
+    python vllm_driver.py JOBS.json
+    # JOBS: [{"checkpoint": DIR, "inputs": FILE, "outputs": FILE, "dump": [MODULE, ...]}, ...]
 
-For each job vLLM parses ``config.json``, picks its quantization scheme per layer, creates its parameters and
-fills them through its weight loaders (q/k/v and gate/up stacked as it serves them), then runs
-``process_weights_after_loading``. Each entry of INPUTS (a vLLM module name -> ``[T, K]`` bf16)
-is fed to that module; OUTPUTS gets ``[T, N]`` per module, and ``MODULE:PARAM`` for each of the
-module's parameters as loaded (before vLLM's post-processing). Prints one line ``RESULT {json}`` per
-job: the checkpoint, the quantization config class, the scheme class per layer, the parameters no
-checkpoint tensor filled, and per module the error its forward raised, if any; or ``refused``:
-the error vLLM raised while building or loading the model.
+For each job vLLM parses ``config.json``, picks its quantization scheme per layer, creates its
+parameters and fills them through its weight loaders (q/k/v and gate/up stacked, MoE experts
+stacked into ``w13_*`` / ``w2_*``, as it serves them). Each entry of ``inputs`` (a vLLM module
+name -> ``[T, K]`` bf16) is fed to that module after vLLM's per-layer
+``process_weights_after_loading``; ``outputs`` gets ``[T, N]`` per module, and ``MODULE:PARAM``
+for every parameter of those modules and of the ``dump`` modules as loaded (before the
+post-processing). Prints one line ``RESULT {json}`` per job: the checkpoint, the quantization
+config class, the scheme class per layer, the parameters no checkpoint tensor filled, and per
+module the error its forward raised, if any; or ``refused``: the error vLLM raised while building
+or loading the model.
 
-No vLLM kernel library exists on CPU, so the run uses vLLM's own emulation kernels where vLLM
-has them (NVFP4 W4A4; MXFP8, whose emulation leaves activations unquantized) and, for NVFP4
+No vLLM kernel library exists on CPU. The run uses vLLM's own emulation kernels where vLLM has
+them (NVFP4 W4A4; MXFP8, whose emulation leaves activations unquantized) and, for NVFP4
 weight-only layers, whose registry has no emulation, vLLM's NVFP4 weight dequantization
 (``dequantize_to_dtype``) followed by a matmul. Where vLLM selects only GPU kernels (FP8 blocks,
-MXFP4, static FP8 activations) the layer is loaded and its forward reported as an error. Two settings that only a CPU run needs: the
-target device is forced to CPU, and the CPU platform's requirement of triton-cpu is lifted.
+MXFP4, static FP8 activations, MoE experts) the layer is built and loaded, and its forward
+reported as an error. Settings only a CPU run needs: the target device is forced to CPU, the CPU
+platform's requirement of triton-cpu is lifted, and MoE layers use vLLM's emulation backend.
 """
 from __future__ import annotations
 
@@ -42,8 +46,15 @@ import vllm.model_executor.kernels.linear as kernels
 import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_mxfp4 as ct_mxfp4
 import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 as ct_nvfp4
 import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8 as ct_fp8
-from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.config import (
+    KernelConfig,
+    LoadConfig,
+    ModelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed import (
+    destroy_model_parallel,
     init_distributed_environment,
     initialize_model_parallel,
     model_parallel_is_initialized,
@@ -56,6 +67,9 @@ from vllm.model_executor.kernels.linear.mxfp8.emulation import (
 )
 from vllm.model_executor.kernels.linear.nvfp4.emulation import (
     EmulationNvFp4LinearKernel,
+)
+from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+    Nvfp4QuantizationEmulationTritonExperts,
 )
 from vllm.model_executor.layers.quantization import modelopt
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
@@ -107,20 +121,25 @@ def or_no_cpu_kernel(select):
 kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] = [EmulationMxfp8LinearKernel]
 kernels._POSSIBLE_MXFP4_KERNELS[PlatformEnum.CPU] = [EmulationMxfp4LinearKernel]
 ct_nvfp4.init_nvfp4_linear_kernel = modelopt.init_nvfp4_linear_kernel = nvfp4_kernel
+# vLLM's NVFP4 MoE emulation runs Triton kernels: let it build on CPU, so the experts load.
+Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
 ct_mxfp4.init_mxfp4_linear_kernel = or_no_cpu_kernel(ct_mxfp4.init_mxfp4_linear_kernel)
 ct_fp8.init_fp8_linear_kernel = or_no_cpu_kernel(ct_fp8.init_fp8_linear_kernel)
 
 
-def serve(path: str, inputs_file: str, outputs_file: str) -> dict:
-    """Load ``path`` with vLLM, run the modules named in ``inputs_file``; the result line's dict."""
+def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str]) -> dict:
+    """Load ``path`` with vLLM, run the modules named in ``inputs_file``, write their parameters and
+    those of the modules in ``dump``; the result line's dict."""
     model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
-    config = VllmConfig(model_config=model_config, load_config=LoadConfig())
+    config = VllmConfig(model_config=model_config, load_config=LoadConfig(),
+                        kernel_config=KernelConfig(moe_backend="emulation"))
     result = {"quant_config": type(config.quant_config).__name__, "errors": {}}
     with set_current_vllm_config(config):
-        if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{outputs_file}.rendezvous")
-            initialize_model_parallel(1, 1)
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{outputs_file}.rendezvous")
+        if model_parallel_is_initialized():  # the groups depend on the model (MoE: expert parallel)
+            destroy_model_parallel()
+        initialize_model_parallel(1, 1)
         with torch.device("cpu"):
             model = initialize_model(vllm_config=config)
         result["schemes"] = {n: type(getattr(m, "scheme", m.quant_method)).__name__
@@ -128,7 +147,8 @@ def serve(path: str, inputs_file: str, outputs_file: str) -> dict:
         tensors = {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}
         loaded = model.load_weights(iter(tensors.items()))
         result["unloaded"] = sorted(set(dict(model.named_parameters())) - set(loaded))
-        outputs = {}
+        outputs = {f"{name}:{param}": value.detach().clone() for name in dump
+                   for param, value in model.get_submodule(name).named_parameters(recurse=False)}
         with torch.no_grad():
             for name, x in load_file(inputs_file).items():
                 module = model.get_submodule(name)
@@ -148,7 +168,7 @@ def serve(path: str, inputs_file: str, outputs_file: str) -> dict:
 def main(jobs_file: str) -> None:
     for job in json.loads(Path(jobs_file).read_text()):
         try:
-            result = serve(job["checkpoint"], job["inputs"], job["outputs"])
+            result = serve(job["checkpoint"], job["inputs"], job["outputs"], job.get("dump", []))
         except Exception as e:  # noqa: BLE001 - reported: vLLM refused the checkpoint
             result = {"refused": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"checkpoint": job["checkpoint"], **result}), flush=True)
