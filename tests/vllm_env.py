@@ -20,7 +20,8 @@ VERSION = "0.34.0"
 # What vLLM 0.34's model loader imports beyond this project's test dependencies (versions inside
 # vLLM's own requirements where it pins them).
 DEPS = ("pyzmq==27.3.0", "pybase64==1.5.1", "cachetools==8.0.2", "cbor2==6.3.0", "msgspec==0.23.0",
-        "uvloop==0.23.0", "prometheus_client==0.26.0", "llguidance==1.7.3", "xgrammar==0.2.8", "einops==0.8.2")
+        "uvloop==0.23.0", "prometheus_client==0.26.0", "llguidance==1.7.3", "xgrammar==0.2.8", "einops==0.8.2",
+        "py-cpuinfo==9.0.0")
 
 
 def default_root() -> Path:
@@ -28,10 +29,12 @@ def default_root() -> Path:
 
 
 def ensure(root: Path | None = None) -> Path:
-    """The folder holding vLLM's sources and loader dependencies; built on first use (pip, ~250 MB
-    download, ~40 MB kept). Raises ``RuntimeError`` when pip cannot fetch them."""
+    """The folder holding vLLM's sources and loader dependencies; built on first use, and again
+    when the pins change (pip, ~250 MB download, ~100 MB kept). Raises ``RuntimeError`` when pip
+    cannot fetch them."""
     root = root or default_root()
-    if (root / "READY").exists():
+    ready = "\n".join((f"vllm=={VERSION}", *DEPS))
+    if (root / "READY").exists() and (root / "READY").read_text() == ready:
         return root
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -48,7 +51,7 @@ def ensure(root: Path | None = None) -> Path:
         wheel.extractall(partial, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith((".py", ".json"))])
     shutil.rmtree(wheels)
     pip("install", "--target", str(partial), *DEPS)
-    (partial / "READY").touch()
+    (partial / "READY").write_text(ready)
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     return root
