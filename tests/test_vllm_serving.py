@@ -140,6 +140,7 @@ MOE = {CT: ("CompressedTensorsW4A4Nvfp4MoEMethod", ("weight_packed", "weight_sca
                                                     "input_global_scale")),
        MODELOPT: ("ModelOptNvFp4FusedMoE", ("weight", "weight_scale", "weight_scale_2", "input_scale"))}
 EXPERTS_MODULE = "model.layers.0.mlp.experts.routed_experts"
+SHARD_BYTES = 300_000  # the MoE checkpoints are written in shards with an index
 REFUSED = ("fp8-block", CT, "llama", 128)  # hidden 128: k_proj has 64 rows, half a 128-row block
 
 
@@ -167,9 +168,10 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         fmt, export, arch, hidden = key
         model, inputs = calibrated(fmt, arch, hidden)
         directory = root / "-".join(map(str, key))
+        shards = {"max_shard_bytes": SHARD_BYTES} if arch == "qwen3_moe" else {}  # vLLM reads the index
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            save(model, directory, export=export)
+            save(model, directory, export=export, **shards)
         save_file(inputs, directory.with_suffix(".inputs"))
         checkpoints[key] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
         jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
@@ -251,10 +253,13 @@ def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_pat
 
 @pytest.mark.parametrize("export", list(MOE))
 def test_vllm_loads_the_moe_experts(export, served):
-    """Qwen3-MoE NVFP4: vLLM's MoE method takes every expert's tensors under quantkit's per-expert
-    names, stacked as w13 = [gate; up] and w2 = down per expert; the router stays unquantized."""
+    """Qwen3-MoE NVFP4, written in shards: vLLM's loader finds them through the index, and its MoE
+    method takes every expert's tensors under quantkit's per-expert names, stacked as
+    w13 = [gate; up] and w2 = down per expert; the router stays unquantized."""
     method, names = MOE[export]
     checkpoint = served["nvfp4", export, "qwen3_moe", 256]
+    assert len(list(checkpoint.directory.glob("model-*-of-*.safetensors"))) > 1
+    assert (checkpoint.directory / "model.safetensors.index.json").exists()
     assert_loaded_cleanly(checkpoint)
     assert checkpoint.result["schemes"][EXPERTS_MODULE] == method
     assert checkpoint.result["schemes"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod"

@@ -27,7 +27,6 @@ platform's requirement of triton-cpu is lifted, and MoE layers use vLLM's emulat
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -75,6 +74,7 @@ from vllm.model_executor.layers.quantization import modelopt
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
 )
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model
 
 
@@ -144,8 +144,8 @@ def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str]) -> di
             model = initialize_model(vllm_config=config)
         result["schemes"] = {n: type(getattr(m, "scheme", m.quant_method)).__name__
                              for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
-        tensors = {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}
-        loaded = model.load_weights(iter(tensors.items()))
+        loader = DefaultModelLoader(config.load_config)  # its file discovery: index, shards
+        loaded = model.load_weights(loader.get_all_weights(model_config, model))
         result["unloaded"] = sorted(set(dict(model.named_parameters())) - set(loaded))
         outputs = {f"{name}:{param}": value.detach().clone() for name in dump
                    for param, value in model.get_submodule(name).named_parameters(recurse=False)}
