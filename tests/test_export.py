@@ -115,6 +115,20 @@ def test_save_warns_only_where_a_fused_member_splits_a_row_block(fmt, tmp_path):
     assert (tmp_path / "out" / "config.json").exists()
 
 
+@pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])
+def test_save_warns_about_a_quantized_lm_head_only_for_compressed_tensors(export, tmp_path):
+    model = tiny_llama()
+    quantize_model(model, "nvfp4-w4a16", ignore=())
+    assert isinstance(model.lm_head, QuantLinear)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(model, tmp_path / "out", export=export)
+    messages = [str(w.message) for w in caught if "vLLM will not load" in str(w.message)]
+    assert len(messages) == (export == "compressed-tensors")
+    assert all("lm_head" in m for m in messages)
+    assert torch.equal(load(tmp_path / "out").lm_head.weight, model.lm_head.weight)  # quantkit reads it
+
+
 @pytest.mark.parametrize("fmt", sorted(set(FORMAT_NAMES) - set(MODELOPT_FORMATS)))
 def test_modelopt_rejects_formats_it_lacks(fmt, tmp_path):
     with pytest.raises(ValueError, match=f"ModelOpt has no {fmt} format"):

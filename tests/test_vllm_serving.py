@@ -33,6 +33,7 @@ from transformers import (
 
 import quantkit
 from quantkit.export import load, save
+from quantkit.nn.swap import DEFAULT_IGNORE
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -98,13 +99,15 @@ MODELS = {
 
 
 @functools.cache
-def calibrated(fmt: str, arch: str = "llama", hidden: int = 256) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest, and activations of
-    another batch at the input of each vLLM module of PROJECTIONS it has (``[T, K]`` bf16)."""
+def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False
+               ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest (``head``: lm_head too),
+    and activations of another batch at the input of each vLLM module of PROJECTIONS it has
+    (``[T, K]`` bf16)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[arch](hidden), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
-    quantkit.quantize(model, quantkit.Recipe(fmt, ("rtn",)), ids[:4])
+    quantkit.quantize(model, quantkit.Recipe(fmt, ("rtn",), ignore=() if head else DEFAULT_IGNORE), ids[:4])
     inputs, layer = {}, model.model.layers[0]
     modules = dict(layer.named_modules())
     hooks = [modules[members[0]].register_forward_pre_hook(
@@ -141,7 +144,23 @@ MOE = {CT: ("CompressedTensorsW4A4Nvfp4MoEMethod", ("weight_packed", "weight_sca
        MODELOPT: ("ModelOptNvFp4FusedMoE", ("weight", "weight_scale", "weight_scale_2", "input_scale"))}
 EXPERTS_MODULE = "model.layers.0.mlp.experts.routed_experts"
 SHARD_BYTES = 300_000  # the MoE checkpoints are written in shards with an index
-REFUSED = ("fp8-block", CT, "llama", 128)  # hidden 128: k_proj has 64 rows, half a 128-row block
+
+
+class Key(NamedTuple):
+    fmt: str
+    export: str
+    arch: str = "llama"
+    hidden: int = 256
+    head: bool = False  # lm_head quantized too
+
+
+# Checkpoints quantkit writes (with a warning) and reads, and vLLM refuses, with vLLM's reason.
+REFUSED = {
+    Key("fp8-block", CT, hidden=128):  # k_proj: 64 rows, half a 128-row block
+        "output_partition_size = 64 is not divisible by weight quantization block_n = 128",
+    Key("nvfp4-w4a16", CT, head=True): "no module or parameter named 'lm_head.weight_global_scale'",
+}
+HEAD = Key("nvfp4-w4a16", MODELOPT, head=True)  # a quantized lm_head vLLM does load
 
 
 @dataclass
@@ -155,7 +174,7 @@ class Checkpoint:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
-    """Every case of DENSE and MOE (hidden 256) and REFUSED, saved by quantkit and run through
+    """Every case of DENSE, MOE, HEAD and REFUSED, saved by quantkit and run through
     ``vllm_driver.py`` in one subprocess (vLLM's import costs seconds)."""
     try:
         vllm_src = vllm_env.ensure()
@@ -163,10 +182,10 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         pytest.skip(f"vLLM sources unavailable: {e}")
     root = tmp_path_factory.mktemp("vllm")
     checkpoints, jobs = {}, []
-    moe = [("nvfp4", export, "qwen3_moe", 256) for export in MOE]
-    for key in [(*case, 256) for case in DENSE] + moe + [REFUSED]:
-        fmt, export, arch, hidden = key
-        model, inputs = calibrated(fmt, arch, hidden)
+    keys = [Key(*case) for case in DENSE] + [Key("nvfp4", export, "qwen3_moe") for export in MOE] + [HEAD, *REFUSED]
+    for key in keys:
+        fmt, export, arch, hidden, head = key
+        model, inputs = calibrated(fmt, arch, hidden, head)
         directory = root / "-".join(map(str, key))
         shards = {"max_shard_bytes": SHARD_BYTES} if arch == "qwen3_moe" else {}  # vLLM reads the index
         with warnings.catch_warnings(record=True) as caught:
@@ -176,7 +195,7 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         checkpoints[key] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
         jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
                      "outputs": str(directory.with_suffix(".outputs")),
-                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else []})
+                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else ["lm_head"] if head else []})
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_src), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(root / "jobs.json")], env=env,
@@ -209,13 +228,13 @@ def assert_loaded_cleanly(checkpoint: Checkpoint, weight_only_modelopt: bool = F
     assert "refused" not in checkpoint.result, checkpoint.result["refused"]
     assert not [w for w in checkpoint.warnings if "vLLM" in w]
     for name in checkpoint.result["unloaded"]:
-        assert name.endswith(UNFILLED) or (weight_only_modelopt and name.endswith("_proj.input_scale")), name
+        assert name.endswith(UNFILLED) or (weight_only_modelopt and name.endswith(("_proj.input_scale", "lm_head.input_scale"))), name
 
 
 @pytest.mark.parametrize(("fmt", "export", "arch"), DENSE)
 def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_path):
     case = CASES[fmt, export]
-    checkpoint = served[fmt, export, arch, 256]
+    checkpoint = served[Key(fmt, export, arch)]
     assert_loaded_cleanly(checkpoint, weight_only_modelopt=export == MODELOPT and fmt == "nvfp4-w4a16")
     result, outputs, inputs = checkpoint.result, checkpoint.outputs, checkpoint.inputs
     assert result["quant_config"] == case.config
@@ -257,7 +276,7 @@ def test_vllm_loads_the_moe_experts(export, served):
     method takes every expert's tensors under quantkit's per-expert names, stacked as
     w13 = [gate; up] and w2 = down per expert; the router stays unquantized."""
     method, names = MOE[export]
-    checkpoint = served["nvfp4", export, "qwen3_moe", 256]
+    checkpoint = served[Key("nvfp4", export, "qwen3_moe")]
     assert len(list(checkpoint.directory.glob("model-*-of-*.safetensors"))) > 1
     assert (checkpoint.directory / "model.safetensors.index.json").exists()
     assert_loaded_cleanly(checkpoint)
@@ -271,8 +290,17 @@ def test_vllm_loads_the_moe_experts(export, served):
             assert torch.equal(as_bytes(params[f"{stacked}_{name}"]), expected), (stacked, name)
 
 
-def test_vllm_refuses_the_fp8_block_checkpoint_that_save_warns_about(served):
-    checkpoint = served[REFUSED]
-    assert [w for w in checkpoint.warnings if "vLLM will not load" in w and "self_attn.k_proj" in w]
-    assert "output_partition_size = 64 is not divisible by weight quantization block_n = 128" in \
-        checkpoint.result.get("refused", "")
+def test_vllm_loads_a_quantized_lm_head_from_modelopt(served):
+    checkpoint = served[HEAD]
+    assert_loaded_cleanly(checkpoint, weight_only_modelopt=True)
+    assert checkpoint.result["schemes"]["lm_head"] == "ModelOptLinearMethod"
+    tensors, params = checkpoint_tensors(checkpoint.directory), loaded_params(checkpoint.outputs, "lm_head")
+    for name in ("weight", "weight_scale", "weight_scale_2"):
+        assert torch.equal(as_bytes(params[name]), as_bytes(tensors[f"lm_head.{name}"])), name
+
+
+@pytest.mark.parametrize("key", list(REFUSED), ids=lambda key: f"{key.fmt}-hidden{key.hidden}-head{key.head}")
+def test_vllm_refuses_what_save_warns_about(key, served):
+    checkpoint = served[key]
+    assert [w for w in checkpoint.warnings if w.startswith("vLLM will not load")]
+    assert REFUSED[key] in checkpoint.result.get("refused", "")

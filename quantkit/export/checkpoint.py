@@ -70,7 +70,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     if len(formats) > 1:
         raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
     fmt = formats[0]
-    _warn_unstackable(layers, fmt)
+    _warn_where_vllm_refuses(model, layers, fmt, export)
     specs = flavour.tensor_specs(fmt)
     names = CheckpointNames(model)
     high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
@@ -94,20 +94,26 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     return Path(out_dir)
 
 
-def _warn_unstackable(layers: dict[str, QuantLinear], fmt: str) -> None:
-    """Warn where vLLM will refuse the checkpoint: it stacks q/k/v and gate/up into one layer, and
-    a scale block may not straddle two of them (every member but the last must fill whole blocks
-    of rows, e.g. 128 for fp8-block)."""
+def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], fmt: str, export: str) -> None:
+    """Warn about the two checkpoints quantkit writes and reads but vLLM (0.34, checked in
+    tests/test_vllm_serving.py) refuses: a scale block straddling two projections vLLM stacks
+    (q/k/v, gate/up: every member but the last must fill whole blocks of rows, e.g. 128 for
+    fp8-block), and a quantized ``lm_head`` in compressed-tensors (vLLM's ``ParallelLMHead``
+    takes only ``weight`` there; it loads a ModelOpt one)."""
     rows = get_format(fmt).weight.block[0]
-    if rows <= 1:
-        return
-    ragged = [name for group in fused_groups(layers) for name in group[:-1] if layers[name].out_features % rows]
+    ragged = [name for group in fused_groups(layers) for name in group[:-1] if rows > 1 and layers[name].out_features % rows]
     if ragged:
         warnings.warn(f"vLLM will not load this {fmt} checkpoint: {', '.join(ragged)} "
                       f"{'has' if len(ragged) == 1 else 'have'} output rows that are not a multiple of the "
                       f"{rows}-row scale block, and vLLM stacks them with the next projection of their group. "
                       f"quantkit.load reads it; for vLLM choose a format without row blocks (e.g. fp8-dynamic)",
-                      stacklevel=2)
+                      stacklevel=3)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if export == compressed_tensors.NAME and isinstance(head, QuantLinear):
+        warnings.warn("vLLM will not load this compressed-tensors checkpoint: its output layer (lm_head) is "
+                      "quantized, and vLLM reads only an unquantized lm_head from compressed-tensors. quantkit.load "
+                      "reads it; for vLLM keep lm_head in the ignore list or save with export='modelopt'",
+                      stacklevel=3)
 
 
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
