@@ -1,12 +1,14 @@
 """vLLM serves quantkit checkpoints: vLLM's own loader and linear layers on CPU.
 
-For each format and export flavour a calibrated tiny Llama is saved; ``vllm_driver.py`` (vLLM
-0.34's sources, see ``vllm_env.py``) parses the config, picks its scheme per layer, loads every
-tensor through its weight loaders into its fused q/k/v and gate/up layers, and runs each layer on
-activations captured from the quantkit model. Each output must match what the checkpoint means as
-the standard format it is stored as, computed by ``quantkit.load`` (for the tagged formats,
-``nvfp4-4over6`` and ``nvfp4-w4a8``, read without the tag: vLLM serves them as ``nvfp4`` and
-``nvfp4-w4a16``).
+For each format and export flavour a calibrated tiny Llama is saved (plus Gemma 3, Qwen3-MoE
+experts in shards, a quantized lm_head); ``vllm_driver.py`` (vLLM 0.34's sources, see
+``vllm_env.py``) parses the config, picks its scheme per layer, loads every tensor through its
+file discovery and weight loaders into its stacked q/k/v, gate/up and expert parameters, and runs
+each dense layer on activations captured from the quantkit model. Stacked parameters must hold
+the checkpoint's bytes, and each output must match what the checkpoint means as the standard
+format it is stored as, computed by ``quantkit.load`` (for the tagged formats, ``nvfp4-4over6``
+and ``nvfp4-w4a8``, read without the tag: vLLM serves them as ``nvfp4`` and ``nvfp4-w4a16``).
+The checkpoints vLLM refuses are the ones ``quantkit.save`` warns about.
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ CASES = {
     ("fp8", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod"),
 }
 # Parameters vLLM creates that a checkpoint without a quantized KV cache does not fill (vLLM
-# defaults them), and the input scale a weight-only ModelOpt NVFP4 layer registers and drops.
+# defaults them). Also unfilled, in weight-only ModelOpt NVFP4 only: the input scale vLLM registers
+# and drops there (see assert_loaded_cleanly).
 UNFILLED = ("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale", "attn.q_zero_point",
             "attn.k_zero_point", "attn.v_zero_point")
 
