@@ -105,8 +105,8 @@ MODELS = {
 def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False
                ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest (``head``: lm_head too),
-    and activations of another batch at the input of each vLLM module of PROJECTIONS it has
-    (``[T, K]`` bf16)."""
+    and activations of another batch at the input of each vLLM module of PROJECTIONS it has and,
+    with ``head``, of lm_head (``[T, K]`` bf16)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[arch](hidden), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
@@ -116,6 +116,9 @@ def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = Fa
     hooks = [modules[members[0]].register_forward_pre_hook(
         lambda _, args, name=name: inputs.__setitem__(name, args[0].reshape(-1, args[0].shape[-1])))
         for name, members in PROJECTIONS.items() if members[0] in modules]
+    if head:
+        hooks.append(model.lm_head.register_forward_pre_hook(
+            lambda _, args: inputs.__setitem__("lm_head", args[0].reshape(-1, args[0].shape[-1]))))
     with torch.no_grad():
         model(ids[4:])
     for hook in hooks:
@@ -198,7 +201,7 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         checkpoints[key] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
         jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
                      "outputs": str(directory.with_suffix(".outputs")),
-                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else ["lm_head"] if head else []})
+                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else []})
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_src), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(root / "jobs.json")], env=env,
@@ -300,6 +303,12 @@ def test_vllm_loads_a_quantized_lm_head_from_modelopt(served):
     tensors, params = checkpoint_tensors(checkpoint.directory), loaded_params(checkpoint.outputs, "lm_head")
     for name in ("weight", "weight_scale", "weight_scale_2"):
         assert torch.equal(as_bytes(params[name]), as_bytes(tensors[f"lm_head.{name}"])), name
+    assert not checkpoint.result["errors"], checkpoint.result["errors"]
+    x = checkpoint.inputs["lm_head"]
+    with torch.no_grad():
+        expected = load(checkpoint.directory, dtype=torch.bfloat16).lm_head(x).float()
+    got = checkpoint.outputs["lm_head"].float()
+    assert got.shape == expected.shape and (got - expected).norm() <= 1e-2 * expected.norm()
 
 
 @pytest.mark.parametrize("key", list(REFUSED), ids=lambda key: f"{key.fmt}-hidden{key.hidden}-head{key.head}")

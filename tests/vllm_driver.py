@@ -74,6 +74,7 @@ from vllm.model_executor.layers.quantization import modelopt
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -156,7 +157,8 @@ def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str]) -> di
                     outputs[f"{name}:{param}"] = value.detach().clone()
                 try:  # what vLLM's process_weights_after_loading does per layer, then the layer
                     module.quant_method.process_weights_after_loading(module)
-                    y = module(x)
+                    # vLLM's lm_head is applied by its logits processor, not called
+                    y = module.quant_method.apply(module, x) if isinstance(module, ParallelLMHead) else module(x)
                 except Exception as e:  # noqa: BLE001 - reported: vLLM has no CPU code for it
                     result["errors"][name] = f"{type(e).__name__}: {e}"
                     continue
