@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -329,6 +330,19 @@ def test_checkpoint_uses_vllm_expert_names_and_reloads_bit_exactly(arch, export,
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
+@pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])
+def test_save_warns_about_per_channel_fp8_experts_only_in_modelopt(export, tmp_path):
+    # vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only (tests/test_vllm_serving.py).
+    model = float_model("qwen3_moe")
+    quantize_model(model, "fp8-dynamic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(model, tmp_path / "q", export=export)
+    messages = [str(w.message) for w in caught if "vLLM will not load" in str(w.message)]
+    assert len(messages) == (export == "modelopt") and all("MoE experts" in m for m in messages)
+    assert load(tmp_path / "q", dtype=torch.float32) is not None
+
+
 def test_compressed_tensors_decompressor_decodes_the_experts(tmp_path):
     """compressed-tensors' own dequantizer reads each expert weight of our Mixtral checkpoint (hub
     names) to our dequantized weight (bf16-rounded, see test_export)."""
@@ -348,10 +362,10 @@ def test_compressed_tensors_decompressor_decodes_the_experts(tmp_path):
 def test_cli_quantizes_a_tiny_moe_end_to_end(tmp_path, monkeypatch):
     """`quantkit quantize` on a bf16 Mixtral directory: every expert quantized (none in the skipped
     rows), a checkpoint with hub expert names that loads back with QuantLinear experts."""
+    from test_eval_fixtures import tiny_tokenizer
     from typer.testing import CliRunner
 
     from quantkit.cli import app
-    from test_eval_fixtures import tiny_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = tiny_tokenizer()

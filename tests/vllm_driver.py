@@ -4,7 +4,8 @@ Run by ``test_vllm_serving.py`` in a subprocess whose ``PYTHONPATH`` holds vLLM'
 (see ``vllm_env.py``)::
 
     python vllm_driver.py JOBS.json
-    # JOBS: [{"checkpoint": DIR, "inputs": FILE, "outputs": FILE, "dump": [MODULE, ...]}, ...]
+    # JOBS: [{"checkpoint": DIR, "inputs": FILE, "outputs": FILE, "dump": [MODULE, ...],
+    #         "moe_backend": "emulation" (NVFP4 experts) or "triton" (FP8 experts)}, ...]
 
 For each job vLLM parses ``config.json``, picks its quantization scheme per layer, creates its
 parameters and fills them through its weight loaders (q/k/v and gate/up stacked, MoE experts
@@ -23,7 +24,8 @@ weight-only layers, whose registry has no emulation, vLLM's NVFP4 weight dequant
 (``dequantize_to_dtype``) followed by a matmul. Where vLLM selects only GPU kernels (FP8 blocks,
 MXFP4, static FP8 activations, MoE experts) the layer is built and loaded, and its forward
 reported as an error. Settings only a CPU run needs: the target device is forced to CPU, the CPU
-platform's requirement of triton-cpu is lifted, and MoE layers use vLLM's emulation backend.
+platform's requirement of triton-cpu is lifted, and MoE layers use vLLM's NVFP4 emulation or
+Triton experts with their device checks lifted (they are built and loaded, never run).
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ from vllm.model_executor.kernels.linear.nvfp4.emulation import (
 from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
     Nvfp4QuantizationEmulationTritonExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.quantization import modelopt
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
@@ -124,16 +127,19 @@ kernels._POSSIBLE_MXFP4_KERNELS[PlatformEnum.CPU] = [EmulationMxfp4LinearKernel]
 ct_nvfp4.init_nvfp4_linear_kernel = modelopt.init_nvfp4_linear_kernel = nvfp4_kernel
 # vLLM's NVFP4 MoE emulation runs Triton kernels: let it build on CPU, so the experts load.
 Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
+# FP8 MoE: vLLM's Triton experts, with their device and scheme checks lifted for the same purpose.
+TritonExperts._supports_current_device = staticmethod(lambda: True)
+TritonExperts._supports_quant_scheme = staticmethod(lambda *args, **kwargs: True)
 ct_mxfp4.init_mxfp4_linear_kernel = or_no_cpu_kernel(ct_mxfp4.init_mxfp4_linear_kernel)
 ct_fp8.init_fp8_linear_kernel = or_no_cpu_kernel(ct_fp8.init_fp8_linear_kernel)
 
 
-def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str]) -> dict:
+def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str], moe_backend: str) -> dict:
     """Load ``path`` with vLLM, run the modules named in ``inputs_file``, write their parameters and
     those of the modules in ``dump``; the result line's dict."""
     model_config = ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
     config = VllmConfig(model_config=model_config, load_config=LoadConfig(),
-                        kernel_config=KernelConfig(moe_backend="emulation"))
+                        kernel_config=KernelConfig(moe_backend=moe_backend))
     result = {"quant_config": type(config.quant_config).__name__, "errors": {}}
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -170,7 +176,8 @@ def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str]) -> di
 def main(jobs_file: str) -> None:
     for job in json.loads(Path(jobs_file).read_text()):
         try:
-            result = serve(job["checkpoint"], job["inputs"], job["outputs"], job.get("dump", []))
+            result = serve(job["checkpoint"], job["inputs"], job["outputs"], job.get("dump", []),
+                           job.get("moe_backend", "emulation"))
         except Exception as e:  # noqa: BLE001 - reported: vLLM refused the checkpoint
             result = {"refused": f"{type(e).__name__}: {e}"}
         print("RESULT " + json.dumps({"checkpoint": job["checkpoint"], **result}), flush=True)

@@ -25,7 +25,7 @@ from quantkit.export.layout import Scheme, TensorSpec, export_layer, import_laye
 from quantkit.export.names import CheckpointNames
 from quantkit.formats import QuantizedWeight, get_format
 from quantkit.nn import QuantLinear
-from quantkit.nn.experts import linearize_experts, router_names
+from quantkit.nn.experts import expert_modules, linearize_experts, router_names
 from quantkit.nn.fuse import FusedProjections
 from quantkit.nn.swap import fused_groups
 
@@ -95,11 +95,12 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
 
 
 def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], fmt: str, export: str) -> None:
-    """Warn about the two checkpoints quantkit writes and reads but vLLM (0.34, checked in
+    """Warn about the checkpoints quantkit writes and reads but vLLM (0.34, checked in
     tests/test_vllm_serving.py) refuses: a scale block straddling two projections vLLM stacks
     (q/k/v, gate/up: every member but the last must fill whole blocks of rows, e.g. 128 for
-    fp8-block), and a quantized ``lm_head`` in compressed-tensors (vLLM's ``ParallelLMHead``
-    takes only ``weight`` there; it loads a ModelOpt one)."""
+    fp8-block); a quantized ``lm_head`` in compressed-tensors (vLLM's ``ParallelLMHead`` takes
+    only ``weight`` there; it loads a ModelOpt one); and MoE experts in ModelOpt ``fp8-dynamic``
+    (vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only)."""
     rows = get_format(fmt).weight.block[0]
     ragged = [name for group in fused_groups(layers) for name in group[:-1] if rows > 1 and layers[name].out_features % rows]
     if ragged:
@@ -114,6 +115,11 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], f
                       "quantized, and vLLM reads only an unquantized lm_head from compressed-tensors. quantkit.load "
                       "reads it; for vLLM keep lm_head in the ignore list or save with export='modelopt'",
                       stacklevel=3)
+    experts = any(isinstance(m, QuantLinear) for e in expert_modules(model) for m in e.modules())
+    if export == modelopt.NAME and fmt == "fp8-dynamic" and experts:
+        warnings.warn("vLLM will not load this modelopt fp8-dynamic checkpoint: its MoE experts have per-channel "
+                      "scales, and vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only. quantkit.load "
+                      "reads it; for vLLM save with export='compressed-tensors'", stacklevel=3)
 
 
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
