@@ -60,9 +60,6 @@ from vllm.distributed import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from vllm.model_executor.kernels.linear.mxfp4.emulation import (
-    EmulationMxfp4LinearKernel,
-)
 from vllm.model_executor.kernels.linear.mxfp8.emulation import (
     EmulationMxfp8LinearKernel,
 )
@@ -123,7 +120,6 @@ def or_no_cpu_kernel(select):
 
 
 kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] = [EmulationMxfp8LinearKernel]
-kernels._POSSIBLE_MXFP4_KERNELS[PlatformEnum.CPU] = [EmulationMxfp4LinearKernel]
 ct_nvfp4.init_nvfp4_linear_kernel = modelopt.init_nvfp4_linear_kernel = nvfp4_kernel
 # vLLM's NVFP4 MoE emulation runs Triton kernels: let it build on CPU, so the experts load.
 Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
