@@ -340,7 +340,8 @@ def test_save_warns_about_per_channel_fp8_experts_only_in_modelopt(export, tmp_p
         save(model, tmp_path / "q", export=export)
     messages = [str(w.message) for w in caught if "vLLM will not load" in str(w.message)]
     assert len(messages) == (export == "modelopt") and all("MoE experts" in m for m in messages)
-    assert load(tmp_path / "q", dtype=torch.float32) is not None
+    ours, theirs = model.state_dict(), load(tmp_path / "q", dtype=torch.float32).state_dict()  # quantkit reads it
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_compressed_tensors_decompressor_decodes_the_experts(tmp_path):
@@ -362,10 +363,10 @@ def test_compressed_tensors_decompressor_decodes_the_experts(tmp_path):
 def test_cli_quantizes_a_tiny_moe_end_to_end(tmp_path, monkeypatch):
     """`quantkit quantize` on a bf16 Mixtral directory: every expert quantized (none in the skipped
     rows), a checkpoint with hub expert names that loads back with QuantLinear experts."""
-    from test_eval_fixtures import tiny_tokenizer
     from typer.testing import CliRunner
 
     from quantkit.cli import app
+    from test_eval_fixtures import tiny_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = tiny_tokenizer()
