@@ -40,6 +40,7 @@ from quantkit.nn.swap import DEFAULT_IGNORE
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import vllm_env
+from test_export import tensors_of
 
 # vLLM module -> the quantkit projections it stacks, in vLLM's order.
 PROJECTIONS = {
@@ -229,10 +230,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
 
 
-def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in directory.glob("*.safetensors") for k, v in load_file(f).items()}
-
-
 def loaded_params(outputs: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
     return {key.split(":")[1]: value for key, value in outputs.items() if key.startswith(module + ":")}
 
@@ -256,7 +253,7 @@ def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_pat
     assert {result["schemes"][name] for name in PROJECTIONS} == {case.scheme}
 
     # vLLM's fused parameters hold exactly the members' checkpoint tensors, stacked in its order.
-    tensors = checkpoint_tensors(checkpoint.directory)
+    tensors = tensors_of(checkpoint.directory)
     for name, members in PROJECTIONS.items():
         prefix = "model.layers.0."
         params = loaded_params(outputs, name)
@@ -298,7 +295,7 @@ def test_vllm_loads_the_moe_experts(fmt, export, served):
     assert_loaded_cleanly(checkpoint)
     assert checkpoint.result["schemes"][EXPERTS_MODULE] == method
     assert checkpoint.result["schemes"]["model.layers.0.mlp.gate"] == "UnquantizedLinearMethod"
-    tensors, params = checkpoint_tensors(checkpoint.directory), loaded_params(checkpoint.outputs, EXPERTS_MODULE)
+    tensors, params = tensors_of(checkpoint.directory), loaded_params(checkpoint.outputs, EXPERTS_MODULE)
     expert = "model.layers.0.mlp.experts.{}.{}.{}"
     for stacked, members in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
         for name in names:
@@ -317,7 +314,7 @@ def test_vllm_loads_a_quantized_lm_head_from_modelopt(served):
     checkpoint = served[HEAD]
     assert_loaded_cleanly(checkpoint, weight_only_modelopt=True)
     assert checkpoint.result["schemes"]["lm_head"] == "ModelOptLinearMethod"
-    tensors, params = checkpoint_tensors(checkpoint.directory), loaded_params(checkpoint.outputs, "lm_head")
+    tensors, params = tensors_of(checkpoint.directory), loaded_params(checkpoint.outputs, "lm_head")
     for name in ("weight", "weight_scale", "weight_scale_2"):
         assert torch.equal(as_bytes(params[name]), as_bytes(tensors[f"lm_head.{name}"])), name
     assert not checkpoint.result["errors"], checkpoint.result["errors"]

@@ -150,13 +150,12 @@ def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str], moe_b
         loader = DefaultModelLoader(config.load_config)  # its file discovery: index, shards
         loaded = model.load_weights(loader.get_all_weights(model_config, model))
         result["unloaded"] = sorted(set(dict(model.named_parameters())) - set(loaded))
-        outputs = {f"{name}:{param}": value.detach().clone() for name in dump
+        inputs = load_file(inputs_file)
+        outputs = {f"{name}:{param}": value.detach().clone() for name in dict.fromkeys([*inputs, *dump])
                    for param, value in model.get_submodule(name).named_parameters(recurse=False)}
         with torch.no_grad():
-            for name, x in load_file(inputs_file).items():
+            for name, x in inputs.items():
                 module = model.get_submodule(name)
-                for param, value in module.named_parameters(recurse=False):
-                    outputs[f"{name}:{param}"] = value.detach().clone()
                 try:  # what vLLM's process_weights_after_loading does per layer, then the layer
                     module.quant_method.process_weights_after_loading(module)
                     # vLLM's lm_head is applied by its logits processor, not called

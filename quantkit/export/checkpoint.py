@@ -26,7 +26,7 @@ from quantkit.export.names import CheckpointNames
 from quantkit.formats import QuantizedWeight, get_format
 from quantkit.nn import QuantLinear
 from quantkit.nn.experts import expert_modules, linearize_experts, router_names
-from quantkit.nn.fuse import FusedProjections
+from quantkit.nn.fuse import FusedProjections, straddling_members
 from quantkit.nn.swap import fused_groups
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
@@ -70,7 +70,8 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     if len(formats) > 1:
         raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
     fmt = formats[0]
-    _warn_where_vllm_refuses(model, layers, fmt, export)
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    _warn_where_vllm_refuses(model, layers, output_embeddings, fmt, export)
     specs = flavour.tensor_specs(fmt)
     names = CheckpointNames(model)
     high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
@@ -79,7 +80,6 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["quantization_config"] = flavour.quantization_config(fmt, ignore)
-    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
     if cfg.get("tie_word_embeddings") and isinstance(output_embeddings, QuantLinear):
         cfg["tie_word_embeddings"] = False  # a quantized lm_head no longer shares the embedding matrix
     with atomic_directory(out_dir) as tmp:
@@ -94,7 +94,8 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     return Path(out_dir)
 
 
-def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], fmt: str, export: str) -> None:
+def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], head: nn.Module | None, fmt: str,
+                             export: str) -> None:
     """Warn about the checkpoints quantkit writes and reads but vLLM (0.34, checked in
     tests/test_vllm_serving.py) refuses: a scale block straddling two projections vLLM stacks
     (q/k/v, gate/up: every member but the last must fill whole blocks of rows, e.g. 128 for
@@ -102,21 +103,21 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], f
     only ``weight`` there; it loads a ModelOpt one); and MoE experts in ModelOpt ``fp8-dynamic``
     (vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only)."""
     rows = get_format(fmt).weight.block[0]
-    ragged = [name for group in fused_groups(layers) for name in group[:-1] if rows > 1 and layers[name].out_features % rows]
+    ragged = [group[i] for group in fused_groups(layers)
+              for i in straddling_members([layers[name].out_features for name in group], rows)]
     if ragged:
         warnings.warn(f"vLLM will not load this {fmt} checkpoint: {', '.join(ragged)} "
                       f"{'has' if len(ragged) == 1 else 'have'} output rows that are not a multiple of the "
                       f"{rows}-row scale block, and vLLM stacks them with the next projection of their group. "
                       f"quantkit.load reads it; for vLLM choose a format without row blocks (e.g. fp8-dynamic)",
                       stacklevel=3)
-    head = getattr(model, "get_output_embeddings", lambda: None)()
     if export == compressed_tensors.NAME and isinstance(head, QuantLinear):
         warnings.warn("vLLM will not load this compressed-tensors checkpoint: its output layer (lm_head) is "
                       "quantized, and vLLM reads only an unquantized lm_head from compressed-tensors. quantkit.load "
                       "reads it; for vLLM keep lm_head in the ignore list or save with export='modelopt'",
                       stacklevel=3)
-    experts = any(isinstance(m, QuantLinear) for e in expert_modules(model) for m in e.modules())
-    if export == modelopt.NAME and fmt == "fp8-dynamic" and experts:
+    if export == modelopt.NAME and fmt == "fp8-dynamic" and any(
+            isinstance(m, QuantLinear) for experts in expert_modules(model) for m in experts.modules()):
         warnings.warn("vLLM will not load this modelopt fp8-dynamic checkpoint: its MoE experts have per-channel "
                       "scales, and vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only. quantkit.load "
                       "reads it; for vLLM save with export='compressed-tensors'", stacklevel=3)

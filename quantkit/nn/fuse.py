@@ -14,6 +14,8 @@ Fusion is for running a model, not for saving it: :func:`quantkit.save` refuses 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -64,6 +66,13 @@ class ProjectionSlice(nn.Module):
         return f"index={self.index}, out_features={self.group.sizes[self.index]}"
 
 
+def straddling_members(sizes: Sequence[int], rows: int) -> list[int]:
+    """Indexes of the members (output sizes ``sizes``, stacked in order) whose last ``rows``-row
+    scale block would reach into the next member: all but the last must fill whole blocks
+    (vLLM stacks q/k/v and gate/up by the same rule). None for ``rows`` <= 1."""
+    return [i for i, n in enumerate(sizes[:-1]) if rows > 1 and n % rows]
+
+
 def concat_rows(qweights: list[QuantizedWeight]) -> QuantizedWeight:
     """The :class:`QuantizedWeight` of the members' rows stacked (``[sum N_i, K]``): values and
     block scales concatenated along the rows. Raises ``ValueError`` where that is not the same
@@ -82,7 +91,7 @@ def concat_rows(qweights: list[QuantizedWeight]) -> QuantizedWeight:
             raise ValueError("members have different per-tensor scales")
         scale = ref.scale
     else:
-        if any(q.shape[0] % rows for q in qweights[:-1]):
+        if straddling_members([q.shape[0] for q in qweights], rows):
             raise ValueError(f"a member's rows are not a multiple of the {rows}-row scale block")
         scale = torch.cat([q.scale for q in qweights])
     n = sum(q.shape[0] for q in qweights)
