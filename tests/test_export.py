@@ -24,7 +24,7 @@ from quantkit.formats.nvfp4 import block_scales, tensor_scale_from_amax
 from quantkit.nn import QuantLinear, quantize_model
 from quantkit.nn.swap import plan_layers, shared_weight_amax
 
-MODELOPT_FORMATS = ("nvfp4", "nvfp4-4over6", "nvfp4-w4a16", "nvfp4-w4a8", "fp8", "fp8-dynamic")
+MODELOPT_FORMATS = ("nvfp4", "nvfp4-4over6", "nvfp4-w4a16", "nvfp4-w4a8", "fp8", "fp8-dynamic", "fp8-block", "mxfp8")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 IDS = torch.tensor([[1, 5, 17, 33, 100, 7, 250, 3], [9, 8, 7, 6, 5, 4, 3, 2]])
 
@@ -206,26 +206,57 @@ def test_ct_unrepresentable_global_scale_is_one_ulp_off(tmp_path):
         assert abs(scale.view(torch.int32).item() - s.view(torch.int32).item()) == ulps
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8-dynamic"])
+# What ModelOpt's export_hf_checkpoint writes (modelopt/torch/export: quant_utils.py, convert_hf_config.py):
+# the sidecar's quant_algo and group_size per format; config.json has config_groups for NVFP4 and FP8 only.
+MODELOPT_ALGO = {"nvfp4": ("NVFP4", 16), "fp8": ("FP8", None), "fp8-dynamic": ("FP8_PER_CHANNEL_PER_TOKEN", None),
+                 "fp8-block": ("fp8_pb_wo", None), "mxfp8": ("MXFP8", 32)}
+
+
+@pytest.mark.parametrize("fmt", list(MODELOPT_ALGO))
 def test_modelopt_tensors_follow_modelopt_formula(fmt, tmp_path):
     """ModelOpt stores scales in quantkit's multiply convention: dequantizing the files with ModelOpt's
-    formula (float64, E2M1 table written here) gives QuantizedWeight.dequantize() exactly."""
+    formula (float64, E2M1 table written here; fp8_pb_wo's 4-D [N/128, 1, K/128, 1] block scales,
+    MXFP8's biased E8M0 exponents) gives QuantizedWeight.dequantize() exactly."""
     directory = saved(fmt, "modelopt", tmp_path)
     files = tensors_of(directory)
     sidecar = json.loads((directory / "hf_quant_config.json").read_text())["quantization"]
     assert sidecar["exclude_modules"] == ["lm_head"] and sidecar["kv_cache_quant_algo"] is None
+    assert (sidecar["quant_algo"], sidecar.get("group_size")) == MODELOPT_ALGO[fmt]
+    qcfg = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_algo"] == MODELOPT_ALGO[fmt][0] and ("config_groups" in qcfg) == (fmt in ("nvfp4", "fp8"))
     for name, layer in quantized(fmt)[0].named_modules():
-        if not isinstance(layer, QuantLinear):
-            continue
-        w, s = files[f"{name}.weight"], files[f"{name}.weight_scale"].double()
-        if fmt == "nvfp4":
-            assert sidecar["group_size"] == 16 and files[f"{name}.weight_scale_2"].shape == ()
-            nibbles = torch.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).long()
-            vals = torch.tensor(E2M1, dtype=torch.float64)[nibbles & 7] * (1 - 2 * (nibbles >> 3))
-            ref = vals * s.repeat_interleave(16, 1) * files[f"{name}.weight_scale_2"].double()
-        else:
-            ref = w.double() * (s if s.dim() == 0 else s[:, None])
-        assert torch.equal(ref.float(), layer.qweight.dequantize()), name
+        if isinstance(layer, QuantLinear):
+            assert torch.equal(modelopt_dequantized(files, name, fmt).float(), layer.qweight.dequantize()), name
+
+
+def modelopt_dequantized(files: dict[str, torch.Tensor], name: str, fmt: str) -> torch.Tensor:
+    """Linear ``name``'s weight from its ModelOpt tensors by ModelOpt's formula, float64: E2M1 ×
+    E4M3 block scale × ``weight_scale_2`` (nvfp4 and nvfp4-w4a16); E4M3 × fp8_pb_wo's 4-D
+    ``[⌈N/128⌉, 1, K/128, 1]`` block scale; E4M3 × 2^(E8M0 byte − 127) per 32 (mxfp8); E4M3 × the
+    per-tensor or per-channel scale (fp8, fp8-dynamic)."""
+    w, s = files[f"{name}.weight"], files[f"{name}.weight_scale"].double()
+    if fmt.startswith("nvfp4"):
+        assert files[f"{name}.weight_scale_2"].shape == ()
+        nibbles = torch.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).long()
+        vals = torch.tensor(E2M1, dtype=torch.float64)[nibbles & 7] * (1 - 2 * (nibbles >> 3))
+        return vals * s.repeat_interleave(16, 1) * files[f"{name}.weight_scale_2"].double()
+    if fmt == "fp8-block":
+        n, k = w.shape
+        assert s.shape == (-(-n // 128), 1, k // 128, 1)
+        return w.double() * s[:, 0, :, 0].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    if fmt == "mxfp8":
+        assert files[f"{name}.weight_scale"].dtype == torch.uint8
+        return w.double() * torch.exp2(s - 127).repeat_interleave(32, 1)
+    return w.double() * (s if s.dim() == 0 else s[:, None])
+
+
+def test_modelopt_group_size_must_match_the_format(tmp_path):
+    directory = saved("mxfp8", "modelopt", tmp_path)
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 16
+    (directory / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="MXFP8 with group_size 16 is not mxfp8 \\(group size 32\\)"):
+        load(directory)
 
 
 def test_config_and_files(tmp_path):

@@ -78,6 +78,8 @@ CASES = {
     ("nvfp4-w4a16", MODELOPT): Expected("ModelOptNvFp4Config", "ModelOptLinearMethod"),
     ("fp8-dynamic", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod"),
     ("fp8", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod"),
+    ("fp8-block", MODELOPT): Expected("ModelOptFp8Config", "ModelOptLinearMethod", "none"),
+    ("mxfp8", MODELOPT): Expected("ModelOptMxFp8Config", "ModelOptLinearMethod", "weights"),
 }
 # Parameters vLLM creates that a checkpoint without a quantized KV cache does not fill (vLLM
 # defaults them). Also unfilled, in weight-only ModelOpt NVFP4 only: the input scale vLLM registers
@@ -155,6 +157,8 @@ MOE = {
     ("fp8-dynamic", CT): ("CompressedTensorsW8A8Fp8MoEMethod", ("weight", "weight_scale")),
     ("fp8", CT): ("CompressedTensorsW8A8Fp8MoEMethod", ("weight", "weight_scale", "input_scale")),
     ("fp8", MODELOPT): ("ModelOptFp8MoEMethod", ("weight", "weight_scale", "input_scale")),
+    ("mxfp8", CT): ("CompressedTensorsW8A8Mxfp8MoEMethod", ("weight", "weight_scale")),
+    ("mxfp8", MODELOPT): ("ModelOptMxFp8FusedMoE", ("weight", "weight_scale")),
 }
 EXPERTS_MODULE = "model.layers.0.mlp.experts.routed_experts"
 SHARD_BYTES = 300_000  # the MoE checkpoints are written in shards with an index
@@ -174,6 +178,8 @@ REFUSED = {
         "output_partition_size = 64 is not divisible by weight quantization block_n = 128",
     Key("nvfp4-w4a16", CT, head=True): "no module or parameter named 'lm_head.weight_global_scale'",
     Key("fp8-dynamic", MODELOPT, "qwen3_moe"): "shape '[]' is invalid for input of size",  # per-channel experts
+    Key("fp8-block", MODELOPT, hidden=128): "start (2) + length (1) exceeds dimension size (2)",
+    Key("fp8-block", MODELOPT, "qwen3_moe"): "shape '[]' is invalid for input of size",  # block-scaled experts
 }
 HEAD = Key("nvfp4-w4a16", MODELOPT, head=True)  # a quantized lm_head vLLM does load
 

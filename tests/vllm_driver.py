@@ -25,7 +25,7 @@ weight-only layers, whose registry has no emulation, vLLM's NVFP4 weight dequant
 MXFP4, static FP8 activations, MoE experts) the layer is built and loaded, and its forward
 reported as an error. Settings only a CPU run needs: the target device is forced to CPU, the CPU
 platform's requirement of triton-cpu is lifted, and MoE layers use vLLM's NVFP4 emulation or
-Triton experts with their device checks lifted (they are built and loaded, never run).
+Triton (FP8, MXFP8) experts with their device checks lifted (they are built and loaded, never run).
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ from vllm.model_executor.kernels.linear.mxfp8.emulation import (
 )
 from vllm.model_executor.kernels.linear.nvfp4.emulation import (
     EmulationNvFp4LinearKernel,
+)
+from vllm.model_executor.layers.fused_moe.experts.mxfp8_native_moe import (
+    Mxfp8NativeTritonExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
     Nvfp4QuantizationEmulationTritonExperts,
@@ -126,8 +129,10 @@ Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(
 # FP8 MoE: vLLM's Triton experts, with their device and scheme checks lifted for the same purpose.
 TritonExperts._supports_current_device = staticmethod(lambda: True)
 TritonExperts._supports_quant_scheme = staticmethod(lambda *args, **kwargs: True)
+Mxfp8NativeTritonExperts._supports_current_device = staticmethod(lambda: True)  # MXFP8 MoE: likewise
 ct_mxfp4.init_mxfp4_linear_kernel = or_no_cpu_kernel(ct_mxfp4.init_mxfp4_linear_kernel)
 ct_fp8.init_fp8_linear_kernel = or_no_cpu_kernel(ct_fp8.init_fp8_linear_kernel)
+modelopt.init_fp8_linear_kernel = or_no_cpu_kernel(modelopt.init_fp8_linear_kernel)
 
 
 def serve(path: str, inputs_file: str, outputs_file: str, dump: list[str], moe_backend: str) -> dict:

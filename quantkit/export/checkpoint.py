@@ -100,8 +100,8 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], h
     tests/test_vllm_serving.py) refuses: a scale block straddling two projections vLLM stacks
     (q/k/v, gate/up: every member but the last must fill whole blocks of rows, e.g. 128 for
     fp8-block); a quantized ``lm_head`` in compressed-tensors (vLLM's ``ParallelLMHead`` takes
-    only ``weight`` there; it loads a ModelOpt one); and MoE experts in ModelOpt ``fp8-dynamic``
-    (vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only)."""
+    only ``weight`` there; it loads a ModelOpt one); and MoE experts in ModelOpt ``fp8-dynamic`` or
+    ``fp8-block`` (vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only)."""
     rows = get_format(fmt).weight.block[0]
     ragged = [group[i] for group in fused_groups(layers)
               for i in straddling_members([layers[name].out_features for name in group], rows)]
@@ -116,11 +116,12 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], h
                       "quantized, and vLLM reads only an unquantized lm_head from compressed-tensors. quantkit.load "
                       "reads it; for vLLM keep lm_head in the ignore list or save with export='modelopt'",
                       stacklevel=3)
-    if export == modelopt.NAME and fmt == "fp8-dynamic" and any(
+    if export == modelopt.NAME and fmt in ("fp8-dynamic", "fp8-block") and any(
             isinstance(m, QuantLinear) for experts in expert_modules(model) for m in experts.modules()):
-        warnings.warn("vLLM will not load this modelopt fp8-dynamic checkpoint: its MoE experts have per-channel "
-                      "scales, and vLLM's ModelOpt FP8 MoE method takes per-tensor expert scales only. quantkit.load "
-                      "reads it; for vLLM save with export='compressed-tensors'", stacklevel=3)
+        warnings.warn(f"vLLM will not load this modelopt {fmt} checkpoint: its MoE experts have "
+                      f"{'per-channel' if fmt == 'fp8-dynamic' else '128x128 block'} scales, and vLLM's ModelOpt "
+                      "FP8 MoE method takes per-tensor expert scales only. quantkit.load reads it; for vLLM save "
+                      "with export='compressed-tensors'", stacklevel=3)
 
 
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],

@@ -13,15 +13,22 @@ nvfp4-w4a16   W4A16_NVFP4                  as nvfp4, without ``input_scale``
 nvfp4-w4a8    W4A16_NVFP4                  as nvfp4-w4a16, plus ``"quantkit_format": "nvfp4-w4a8"`` in config.json
 fp8           FP8                          ``weight`` E4M3 [N, K], ``weight_scale`` FP32, ``input_scale`` FP32
 fp8-dynamic   FP8_PER_CHANNEL_PER_TOKEN    ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [N]
+fp8-block     fp8_pb_wo                    ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [⌈N/128⌉, 1, K/128, 1]
+mxfp8         MXFP8                        ``weight`` E4M3 [N, K], ``weight_scale`` E8M0 (u8) [N, K/32]
 ============  ===========================  ============================================================
 
-ModelOpt has no MX or 128×128-block-with-dynamic-activation format: those raise ``ValueError``
-on save (use the compressed-tensors flavour). ``W4A16_NVFP4`` and ``FP8_PER_CHANNEL_PER_TOKEN``
-need a recent vLLM; ``NVFP4`` and ``FP8`` load in every vLLM with ModelOpt support.
+These are what ModelOpt's ``export_hf_checkpoint`` writes (``fp8_pb_wo`` in lower case and the
+4-D block scale included). ModelOpt calls ``fp8_pb_wo`` weight-only; vLLM serves it as W8A8 with
+activations quantized dynamically per 1×128 group, which is quantkit's ``fp8-block``, so that is
+the format it loads as. ModelOpt has no MXFP4 format: that raises ``ValueError`` on save (use the
+compressed-tensors flavour). ``W4A16_NVFP4``, ``FP8_PER_CHANNEL_PER_TOKEN``, ``fp8_pb_wo`` and
+``MXFP8`` need a recent vLLM (0.34 reads all of them); ``NVFP4`` and ``FP8`` load in every vLLM
+with ModelOpt support.
 """
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
+from math import ceil
 
 import torch
 from torch import nn
@@ -35,8 +42,10 @@ SIDECAR = "hf_quant_config.json"
 GROUP_SIZE = 16
 
 _E4M3 = torch.float8_e4m3fn
-ALGOS = {"nvfp4": "NVFP4", "nvfp4-w4a16": "W4A16_NVFP4", "fp8": "FP8", "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN"}
-_FORMATS = {algo: fmt for fmt, algo in ALGOS.items()}
+ALGOS = {"nvfp4": "NVFP4", "nvfp4-w4a16": "W4A16_NVFP4", "fp8": "FP8", "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN",
+         "fp8-block": "fp8_pb_wo", "mxfp8": "MXFP8"}
+_FORMATS = {algo.upper(): fmt for fmt, algo in ALGOS.items()}
+_GROUP_SIZES = {"nvfp4": GROUP_SIZE, "nvfp4-w4a16": GROUP_SIZE, "mxfp8": 32}  # the sidecar's group_size
 ALGOS.update({fmt: ALGOS[stored] for fmt, stored in STORED_AS.items() if stored in ALGOS})
 
 
@@ -55,6 +64,10 @@ _SPECS: dict[str, tuple[TensorSpec, ...]] = {
             TensorSpec("input_scale", "input_scale", torch.float32, lambda n, k: (), accept=FLOAT_SCALES)),
     "fp8-dynamic": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.float32, lambda n, k: (n,),
                                             accept=FLOAT_SCALES)),
+    "fp8-block": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.float32,
+                                          lambda n, k: (ceil(n / 128), 1, k // 128, 1), accept=FLOAT_SCALES)),
+    "mxfp8": (_FP8_WEIGHT, TensorSpec("weight_scale", "weight_scale", torch.uint8,
+                                      lambda n, k: (n, k // _GROUP_SIZES["mxfp8"]))),
 }
 _SPECS.update({fmt: _SPECS[stored] for fmt, stored in STORED_AS.items() if stored in _SPECS})
 
@@ -69,8 +82,8 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
 
 def _hf_quant_config(fmt: str, ignore: list[str]) -> dict:
     quantization = {"quant_algo": ALGOS[fmt], "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
-    if fmt.startswith("nvfp4"):
-        quantization["group_size"] = GROUP_SIZE
+    if STORED_AS.get(fmt, fmt) in _GROUP_SIZES:
+        quantization["group_size"] = _GROUP_SIZES[STORED_AS.get(fmt, fmt)]
     return {"producer": {"name": "quantkit", "version": quantkit.__version__}, "quantization": quantization}
 
 
@@ -103,8 +116,10 @@ def read_config(qcfg: dict) -> Scheme:
         raise CheckpointError(f"ModelOpt quant_algo {algo or None!r} matches no quantkit format "
                               f"(supported: {', '.join(_FORMATS)})")
     group_size = details.get("group_size")
-    if algo.endswith("NVFP4") and group_size not in (None, GROUP_SIZE):
-        raise CheckpointError(f"ModelOpt {algo} with group_size {group_size} is not NVFP4 (group size {GROUP_SIZE})")
+    size = _GROUP_SIZES.get(_FORMATS[algo])
+    if size is not None and group_size not in (None, size):
+        raise CheckpointError(f"ModelOpt {algo} with group_size {group_size} is not {_FORMATS[algo]} "
+                              f"(group size {size})")
     exclude = list(details.get("exclude_modules" if nested else "ignore") or [])
 
     def selects(name: str, module: nn.Module) -> bool:
