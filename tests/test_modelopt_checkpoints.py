@@ -1,0 +1,77 @@
+"""quantkit.load reads checkpoints that NVIDIA ModelOpt itself wrote.
+
+``modelopt_writer.py`` (a subprocess) calibrates tiny Llama and Qwen3-MoE models with ModelOpt's
+``mtq.quantize`` and writes them with its ``export_hf_checkpoint``: ``FP8``,
+``FP8_PER_CHANNEL_PER_TOKEN``, ``fp8_pb_wo``, ``MXFP8``, ``NVFP4`` (dense and MoE experts) and
+``W4A16_NVFP4``, in ModelOpt's own names, shapes and config (its ``exclude_modules`` wildcards, the
+router it adds, the 4-D block scales). Each must load as its quantkit format, with every weight
+equal to ModelOpt's dequantization formula applied to the files and the static activation scales
+taken as written, and the loaded model must stay close to the bf16 model it was quantized from.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from quantkit.export import describe, load
+from quantkit.nn import QuantLinear
+
+if importlib.util.find_spec("modelopt") is None:  # imported only by the writer's subprocess
+    pytest.skip("nvidia-modelopt is not installed (pip install -e '.[test]')", allow_module_level=True)
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from modelopt_writer import CONFIGS, TEST_IDS
+from test_export import modelopt_dequantized, tensors_of
+
+# ModelOpt case -> the quantkit format it loads as, and the largest relative logit error against
+# the bf16 model (measured: 0.06 for the FP8 formats, 0.16-0.22 for NVFP4; static input scales
+# read 4x too small, which clips the activations, give 0.42-0.48)
+EXPECTED = {"fp8": ("fp8", 0.1), "fp8-dynamic": ("fp8-dynamic", 0.1), "fp8-block": ("fp8-block", 0.1),
+            "mxfp8": ("mxfp8", 0.1), "nvfp4": ("nvfp4", 0.3), "nvfp4-w4a16": ("nvfp4-w4a16", 0.3),
+            "nvfp4-moe": ("nvfp4", 0.3)}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("modelopt")
+    done = subprocess.run([sys.executable, str(HERE / "modelopt_writer.py"), str(out)], capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_quantkit_loads_what_modelopt_wrote(case, written):
+    fmt, tolerance = EXPECTED[case]
+    directory = written / case
+    sidecar = json.loads((directory / "hf_quant_config.json").read_text())
+    assert sidecar["producer"]["name"] == "modelopt"
+    assert describe(directory)["format"] == fmt
+    model = load(directory, dtype=torch.bfloat16)
+    files = tensors_of(directory)
+
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    written_layers = {k.removesuffix(".weight_scale") for k in files if k.endswith(".weight_scale")}
+    assert set(quantized) == written_layers
+    assert isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, QuantLinear)
+    if case.endswith("moe"):
+        assert sum(".experts." in n for n in quantized) == 4 * 3
+        assert not isinstance(model.model.layers[0].mlp.gate, QuantLinear)
+    for name, layer in quantized.items():
+        assert layer.format == fmt, name
+        assert torch.equal(layer.qweight.dequantize(), modelopt_dequantized(files, name, fmt).float()), name
+        if f"{name}.input_scale" in files:
+            assert layer.input_scale.item() == files[f"{name}.input_scale"].item(), name
+
+    reference = load_file(written / f"{case}.reference.safetensors")["logits"].float()
+    with torch.no_grad():
+        logits = model(TEST_IDS).logits.float()
+    assert (logits - reference).norm() <= tolerance * reference.norm()
