@@ -17,8 +17,14 @@ Each quantized row calibrates a fresh float32 copy with ``quantkit.calibrate.qua
 ``--propagate float`` the float model's) and times it. Results go to ``--out`` (JSON, one entry per row,
 rows already there are skipped: the run can be resumed) and the Markdown table to stdout.
 
+``--checkpoints LABEL=DIR`` evaluates saved checkpoints instead (read by ``quantkit.load`` in
+float32; the row key is ``<format>|LABEL``), e.g. those ``peer_checkpoints.py`` writes with
+ModelOpt's or llm-compressor's own recipes from the calibration tokens ``--calib-dump`` saves.
+
     python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default
     python benchmarks/accuracy_gemma.py --out benchmarks/results/accuracy_gemma_nvfp4.json --table
+    python benchmarks/accuracy_gemma.py --calib-dump /tmp/calib.safetensors
+    python benchmarks/accuracy_gemma.py --formats --checkpoints modelopt:NVFP4_DEFAULT_CFG=/tmp/mo-nvfp4
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 DATA = Path("/work/shared/data")
 
@@ -96,10 +103,11 @@ def main() -> None:
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.pipeline import quantize
     from quantkit.calibrate.recipe import Recipe
+    from quantkit.export import describe, load
     from quantkit.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--formats", nargs="+", default=["nvfp4", "nvfp4-w4a16", "fp8-block", "mxfp8"])
+    p.add_argument("--formats", nargs="*", default=["nvfp4", "nvfp4-w4a16", "fp8-block", "mxfp8"])
     p.add_argument("--algos", nargs="+", default=["rtn", "mse", "gptq", "awq", "smoothquant", "default"],
                    help="recipes ('awq+gptq+mse'); 'default' = the format's DEFAULT_ALGORITHMS")
     p.add_argument("--windows", type=int, default=10)
@@ -114,6 +122,8 @@ def main() -> None:
                    help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
+    p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
+    p.add_argument("--calib-dump", type=Path, help="write the calibration tokens ({'ids': [samples, len]}) and exit")
     p.add_argument("--out", type=Path, default=Path("accuracy_gemma.json"))
     p.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
     args = p.parse_args()
@@ -127,6 +137,9 @@ def main() -> None:
     requests = lambada_requests(tokenizer, args.docs)
     calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len,
                           seed=args.calib_seed)
+    if args.calib_dump:
+        save_file({"ids": calib.contiguous()}, args.calib_dump)
+        return
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     setup = {"windows": args.windows, "seq_len": args.seq_len, "docs": args.docs, "calib": args.calib or "embedded corpus",
              "calib_tokens": calib.numel(), "calib_seed": args.calib_seed, "threads": torch.get_num_threads(), "propagate": args.propagate,
@@ -159,6 +172,12 @@ def main() -> None:
                 quantize(model, recipe, calib, batch_size=8)
             record(key, model, time.time() - t, "+".join(recipe.algorithms))
             del model
+    for label, directory in (c.split("=", 1) for c in args.checkpoints):
+        key = f"{describe(directory)['format']}|{label}{args.tag}"
+        if key not in results:
+            seconds = Path(directory, "calibration_seconds.txt")
+            record(key, load(directory, dtype=torch.float32), float(seconds.read_text()) if seconds.exists() else None,
+                   label)
     print(markdown(results))
 
 
