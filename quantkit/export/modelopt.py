@@ -82,8 +82,9 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
 
 def _hf_quant_config(fmt: str, ignore: list[str]) -> dict:
     quantization = {"quant_algo": ALGOS[fmt], "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
-    if STORED_AS.get(fmt, fmt) in _GROUP_SIZES:
-        quantization["group_size"] = _GROUP_SIZES[STORED_AS.get(fmt, fmt)]
+    stored = STORED_AS.get(fmt, fmt)
+    if stored in _GROUP_SIZES:
+        quantization["group_size"] = _GROUP_SIZES[stored]
     return {"producer": {"name": "quantkit", "version": quantkit.__version__}, "quantization": quantization}
 
 
