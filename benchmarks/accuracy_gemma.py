@@ -19,7 +19,8 @@ rows already there are skipped: the run can be resumed) and the Markdown table t
 
 ``--checkpoints LABEL=DIR`` evaluates saved checkpoints instead (read by ``quantkit.load`` in
 float32; the row key is ``<format>|LABEL``), e.g. those ``peer_checkpoints.py`` writes with
-ModelOpt's or llm-compressor's own recipes from the calibration tokens ``--calib-dump`` saves.
+ModelOpt's or llm-compressor's own recipes from the calibration tokens ``--calib-dump`` saves;
+``--vllm-stacking`` evaluates per-tensor fp8 ones as vLLM serves them (``stack_fp8_scales_as_vllm``).
 
     python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default
     python benchmarks/accuracy_gemma.py --out benchmarks/results/accuracy_gemma_nvfp4.json --table
@@ -123,6 +124,8 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
+    p.add_argument("--vllm-stacking", action="store_true",
+                   help="per-tensor fp8 checkpoints: re-round stacked projections to one scale, as vLLM serves them")
     p.add_argument("--calib-dump", type=Path, help="write the calibration tokens ({'ids': [samples, len]}) and exit")
     p.add_argument("--out", type=Path, default=Path("accuracy_gemma.json"))
     p.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
@@ -173,12 +176,34 @@ def main() -> None:
             record(key, model, time.time() - t, "+".join(recipe.algorithms))
             del model
     for label, directory in (c.split("=", 1) for c in args.checkpoints):
-        key = f"{describe(directory)['format']}|{label}{args.tag}"
+        fmt = describe(directory)["format"]
+        key = f"{fmt}|{label}{'@vllm-stacked' if args.vllm_stacking else ''}{args.tag}"
         if key not in results:
             seconds = Path(directory, "calibration_seconds.txt")
-            record(key, load(directory, dtype=torch.float32), float(seconds.read_text()) if seconds.exists() else None,
-                   label)
+            model = load(directory, dtype=torch.float32)
+            if args.vllm_stacking and fmt == "fp8":
+                stack_fp8_scales_as_vllm(model)
+            record(key, model, float(seconds.read_text()) if seconds.exists() else None, label)
     print(markdown(results))
+
+
+def stack_fp8_scales_as_vllm(model) -> None:
+    """What vLLM serves from a per-tensor ``fp8`` checkpoint whose stacked projections (q/k/v,
+    gate/up) have separate weight scales: each member dequantized and re-rounded to E4M3 under the
+    group's largest scale (vLLM's ``requantize_with_max_scale``; round to nearest even, saturating).
+    A no-op where the members already share one scale, as quantkit writes them."""
+    from quantkit.nn import QuantLinear
+    from quantkit.nn.swap import fused_groups
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    with torch.no_grad():
+        for group in fused_groups(layers):
+            members = [layers[n] for n in group]
+            largest = max(m.weight_scale.item() for m in members)
+            for m in members:
+                w = m.weight.float() * m.weight_scale.float() / largest
+                m.weight.copy_(w.clamp(-448, 448).to(torch.float8_e4m3fn))
+                m.weight_scale.fill_(largest)
 
 
 def markdown(results: dict) -> str:
