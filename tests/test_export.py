@@ -86,7 +86,10 @@ ROUND_TRIPS = [(f, "compressed-tensors") for f in FORMAT_NAMES] + [(f, "modelopt
 @pytest.mark.parametrize(("fmt", "export"), ROUND_TRIPS)
 def test_round_trip_gives_identical_model_and_logits(fmt, export, tmp_path):
     model, logits = quantized(fmt)
-    loaded = load(saved(fmt, export, tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load(saved(fmt, export, tmp_path))
+    assert not [w for w in caught if "re-rounds" in str(w.message)]  # stacked fp8 projections share a scale
     assert not loaded.training
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tied again
     ours, theirs = model.state_dict(), loaded.state_dict()

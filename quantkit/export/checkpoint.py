@@ -268,11 +268,28 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
     if unexpected:
         raise CheckpointError(f"{directory}: {len(unexpected)} unexpected tensor(s) the model has no place for "
                               f"(or a layer the config leaves unquantized holds quantized tensors), e.g. {unexpected[:3]}")
+    _warn_where_vllm_rerounds(model, scheme.format, directory)
     if (directory / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(directory)
     return model.to(device).eval()
+
+
+def _warn_where_vllm_rerounds(model: nn.Module, fmt: str, directory: Path) -> None:
+    """Warn about a per-tensor ``fp8`` checkpoint whose stacked projections (q/k/v, gate/up) have
+    separate weight scales, as ModelOpt and llm-compressor write them: quantkit computes them as
+    written, vLLM stacks each group with one scale and re-rounds every member to the largest
+    (``requantize_with_max_scale``). quantkit's own checkpoints share one scale per group."""
+    if fmt != "fp8":
+        return
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    split = [group for group in fused_groups(layers) if len({layers[n].weight_scale.item() for n in group}) > 1]
+    if split:
+        warnings.warn(f"{directory}: {len(split)} stacked projection group(s), e.g. {', '.join(split[0])}, have "
+                      "separate per-tensor FP8 weight scales. quantkit computes them as written; vLLM stacks each "
+                      "group with one scale and re-rounds every member to the largest, so it serves slightly "
+                      "different weights (benchmarks/accuracy_gemma.py --vllm-stacking evaluates those)", stacklevel=2)
 
 
 def describe(path: str | os.PathLike) -> dict:
