@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--options", default="{}", help='JSON per-algorithm options, e.g. {"mse": {"weighted": true}}')
     p.add_argument("--propagate", default="quantized", choices=["quantized", "float"],
                    help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
+    p.add_argument("--kv-cache", default=None, choices=["fp8"], help="also an FP8 KV cache (Recipe.kv_cache)")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
@@ -167,8 +168,8 @@ def main() -> None:
             key = f"{fmt}|{algo}{args.tag}"
             if key in results:
                 continue
-            recipe = (Recipe(fmt, options=options, propagate=args.propagate) if algo == "default"
-                      else Recipe.parse(fmt, algo, options=options, propagate=args.propagate))
+            extra = {"options": options, "propagate": args.propagate, "kv_cache": args.kv_cache}
+            recipe = Recipe(fmt, **extra) if algo == "default" else Recipe.parse(fmt, algo, **extra)
             model = copy.deepcopy(base)
             t = time.time()
             with torch.no_grad():

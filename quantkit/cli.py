@@ -55,6 +55,7 @@ def quantize(
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
+    kv_cache: Annotated[Optional[str], typer.Option(help="'fp8': also calibrate a static FP8 KV-cache scale per attention layer (vLLM: --kv-cache-dtype fp8).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Where to calibrate: cuda | cpu (default: cuda if present).")] = None,
     batch_size: Annotated[int, typer.Option(help="Calibration sequences per forward pass.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed for sampling calibration text.")] = 0,
@@ -80,7 +81,7 @@ def quantize(
     parallel = init_from_env()  # under torchrun: one rank per GPU, each calibrates on its shard of the batches
     writer = is_main()  # rank 0 (or the only process) writes and prints
     try:
-        recipe = Recipe.parse(format, algo, ignore)
+        recipe = Recipe.parse(format, algo, ignore, kv_cache=kv_cache)
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         with _progress(writer) as bars:

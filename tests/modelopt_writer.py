@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-# case -> (ModelOpt config, architecture)
+# case -> (ModelOpt config, or configs joined by "+" whose quantizer lists add up, architecture)
 CONFIGS = {
     "fp8": ("FP8_DEFAULT_CFG", "llama"),
     "fp8-dynamic": ("FP8_PER_CHANNEL_PER_TOKEN_CFG", "llama"),
@@ -28,6 +28,7 @@ CONFIGS = {
     "nvfp4": ("NVFP4_DEFAULT_CFG", "llama"),
     "nvfp4-w4a16": ("W4A16_NVFP4_CFG", "llama"),
     "nvfp4-moe": ("NVFP4_DEFAULT_CFG", "qwen3_moe"),
+    "fp8-kv": ("FP8_DEFAULT_CFG+FP8_KV_CFG", "llama"),  # as ModelOpt's hf_ptq.py adds a KV-cache config
 }
 VOCAB = 256
 TEST_IDS = torch.arange(2 * 32).reshape(2, 32) * 7 % VOCAB
@@ -45,9 +46,12 @@ def tiny_model(arch: str) -> transformers.PreTrainedModel:
     return model.to(torch.bfloat16).eval()
 
 
+CALIB_IDS = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
 def calibrate(model: transformers.PreTrainedModel) -> None:
     """ModelOpt's ``forward_loop``: one batch of 4 × 32 random tokens."""
-    model(torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1)))
+    model(CALIB_IDS)
 
 
 def main(out: Path) -> None:
@@ -60,7 +64,9 @@ def main(out: Path) -> None:
         model = tiny_model(arch)
         with torch.no_grad():
             save_file({"logits": model(TEST_IDS).logits.contiguous()}, out / f"{case}.reference.safetensors")
-        model = mtq.quantize(model, getattr(mtq, config), calibrate)
+        first, *more = (getattr(mtq, name) for name in config.split("+"))
+        merged = {**first, "quant_cfg": [entry for cfg in (first, *more) for entry in cfg["quant_cfg"]]}
+        model = mtq.quantize(model, merged, calibrate)
         export_hf_checkpoint(model, export_dir=out / case)
 
 

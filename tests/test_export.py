@@ -311,7 +311,7 @@ def test_describe(tmp_path):
     for t in files.values():
         name = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype]
         by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
-    assert info == {"architecture": "LlamaForCausalLM", "export": "compressed-tensors", "format": "nvfp4",
+    assert info == {"architecture": "LlamaForCausalLM", "export": "compressed-tensors", "format": "nvfp4", "kv_cache": None,
                     "quantized_layers": 7, "ignored_layers": 1, "files": ["model.safetensors"],
                     "tensors": len(files), "tensor_bytes": sum(by_dtype.values()), "bytes_by_dtype": by_dtype}
     assert describe(saved("fp8", "modelopt", tmp_path))["export"] == "modelopt"

@@ -23,10 +23,11 @@ from torch import nn
 
 from quantkit.export import describe, load
 from quantkit.nn import QuantLinear
+from quantkit.nn.kv_cache import kv_scales, observe, scales_from_amax
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from modelopt_writer import CONFIGS, TEST_IDS
+from modelopt_writer import CALIB_IDS, CONFIGS, TEST_IDS, tiny_model
 from test_export import modelopt_dequantized, tensors_of
 
 
@@ -34,7 +35,7 @@ def expected(case: str) -> tuple[str, float]:
     """The quantkit format ModelOpt case ``case`` loads as, and the largest relative logit error
     against the bf16 model (measured: 0.06 for the FP8 formats, 0.16-0.22 for NVFP4; static input
     scales read 4x too small, which clips the activations, give 0.42-0.48)."""
-    fmt = case.removesuffix("-moe")
+    fmt = case.removesuffix("-moe").removesuffix("-kv")
     return fmt, 0.3 if fmt.startswith("nvfp4") else 0.1
 
 
@@ -59,7 +60,7 @@ def test_quantkit_loads_what_modelopt_wrote(case, written):
         warnings.simplefilter("always")
         model = load(directory, dtype=torch.bfloat16)
     # ModelOpt scales q/k/v and gate/up separately; vLLM re-rounds them to one scale per stack
-    assert any("re-rounds" in str(w.message) for w in caught) == (case == "fp8")
+    assert any("re-rounds" in str(w.message) for w in caught) == (fmt == "fp8")
     files = tensors_of(directory)
 
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -79,3 +80,22 @@ def test_quantkit_loads_what_modelopt_wrote(case, written):
     with torch.no_grad():
         logits = model(TEST_IDS).logits.float()
     assert (logits - reference).norm() <= tolerance * reference.norm()
+
+
+def test_quantkit_reads_modelopt_fp8_kv_cache_scales_and_computes_them_the_same_way(written):
+    """ModelOpt's FP8 KV cache (``FP8_KV_CFG``): quantkit takes its ``k_proj.k_scale`` /
+    ``v_proj.v_scale`` as written, and quantkit's observer (``max |k| / 448`` of the keys and values
+    the attention receives) on the bf16 model ModelOpt calibrated, with ModelOpt's calibration
+    batch, gives ModelOpt's scales."""
+    directory = written / "fp8-kv"
+    assert describe(directory)["kv_cache"] == "fp8"
+    files = tensors_of(directory)
+    k_scale, v_scale = kv_scales(load(directory, dtype=torch.bfloat16))["model.layers.0.self_attn"]
+    assert k_scale.item() == files["model.layers.0.self_attn.k_proj.k_scale"].item()
+    assert v_scale.item() == files["model.layers.0.self_attn.v_proj.v_scale"].item()
+    torch.manual_seed(0)  # the model the writer quantized
+    reference = tiny_model(CONFIGS["fp8-kv"][1])
+    with observe(reference, {"attention": reference.model.layers[0].self_attn}) as amax, torch.no_grad():
+        reference(CALIB_IDS)
+    ours = scales_from_amax(amax["attention"])
+    assert (ours[0].item(), ours[1].item()) == pytest.approx((k_scale.item(), v_scale.item()), rel=1e-6)

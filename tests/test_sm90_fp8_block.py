@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from f64_reference import e4m3_round_f64
 
 from quantkit.formats import fp8
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up
@@ -57,22 +58,6 @@ def _valid(cfg: fbg.TileConfig, epi: Epilogue) -> bool:
 
 
 # ----------------------------------------------------------------------------- float64 oracles
-# Non-negative E4M3 values in order; index parity = mantissa parity (so ties go to the even index).
-E4M3_GRID = torch.tensor(
-    [(2.0 ** -6) * (m / 8) for m in range(8)] + [2.0 ** (e - 7) * (1 + m / 8) for e in range(1, 16) for m in range(8)][:-1],
-    dtype=torch.float64,
-)
-
-
-def e4m3_round_f64(v: torch.Tensor) -> torch.Tensor:
-    """Round float64 ``v`` to the nearest E4M3 value (ties to even mantissa), saturating at 448."""
-    a = v.abs().clamp(max=448.0)
-    idx = torch.searchsorted(E4M3_GRID, a).clamp(1, len(E4M3_GRID) - 1)
-    lo, hi = E4M3_GRID[idx - 1], E4M3_GRID[idx]
-    take_hi = ((hi - a) < (a - lo)) | (((hi - a) == (a - lo)) & (idx % 2 == 0))
-    return torch.where(take_hi, hi, lo) * v.sign()
-
-
 def fp8_block_quant_f64(x: torch.Tensor):
     """The fp8-block activation rule in float64: ``s = f32(amax/448)`` (1 if 0), ``q = e4m3(f32(x/s))``
     (the contract divides in FP32, so the quotient is rounded to FP32 before the E4M3 rounding)."""

@@ -36,6 +36,7 @@ from transformers import (
 import quantkit
 from quantkit.export import load, save
 from quantkit.nn.swap import DEFAULT_IGNORE
+from quantkit.nn.kv_cache import kv_scales
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -105,15 +106,16 @@ MODELS = {
 
 
 @functools.cache
-def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False
+def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False, kv: bool = False
                ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest (``head``: lm_head too),
-    and activations of another batch at the input of each vLLM module of PROJECTIONS it has and,
+    """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest (``head``: lm_head too;
+    ``kv``: with an FP8 KV cache), and activations of another batch at the input of each vLLM module of PROJECTIONS it has and,
     with ``head``, of lm_head (``[T, K]`` bf16)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[arch](hidden), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
-    quantkit.quantize(model, quantkit.Recipe(fmt, ("rtn",), ignore=() if head else DEFAULT_IGNORE), ids[:4])
+    recipe = quantkit.Recipe(fmt, ("rtn",), ignore=() if head else DEFAULT_IGNORE, kv_cache="fp8" if kv else None)
+    quantkit.quantize(model, recipe, ids[:4])
     inputs, layer = {}, model.model.layers[0]
     modules = dict(layer.named_modules())
     hooks = [modules[members[0]].register_forward_pre_hook(
@@ -170,6 +172,7 @@ class Key(NamedTuple):
     arch: str = "llama"
     hidden: int = 256
     head: bool = False  # lm_head quantized too
+    kv: bool = False  # FP8 KV cache
 
 
 # Checkpoints quantkit writes (with a warning) and reads, and vLLM refuses, with vLLM's reason.
@@ -182,6 +185,14 @@ REFUSED = {
     Key("fp8-block", MODELOPT, "qwen3_moe"): "shape '[]' is invalid for input of size",  # block-scaled experts
 }
 HEAD = Key("nvfp4-w4a16", MODELOPT, head=True)  # a quantized lm_head vLLM does load
+# FP8 KV caches: vLLM's KV-cache method per flavour.
+KV = {Key("fp8-dynamic", CT, kv=True): "CompressedTensorsKVCacheMethod",
+      Key("nvfp4", CT, "gemma3", kv=True): "CompressedTensorsKVCacheMethod",
+      Key("nvfp4", MODELOPT, kv=True): "ModelOptKVCacheMethod"}
+
+
+def attention_modules(arch: str) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(MODELS[arch](256).num_hidden_layers)]
 
 
 @dataclass
@@ -195,7 +206,7 @@ class Checkpoint:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
-    """Every case of DENSE, MOE, HEAD and REFUSED, saved by quantkit and run through
+    """Every case of DENSE, MOE, HEAD, KV and REFUSED, saved by quantkit and run through
     ``vllm_driver.py`` in one subprocess (vLLM's import costs seconds)."""
     try:
         vllm_src = vllm_env.ensure()
@@ -203,10 +214,10 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         pytest.skip(f"vLLM sources unavailable: {e}")
     root = tmp_path_factory.mktemp("vllm")
     checkpoints, jobs = {}, []
-    keys = [Key(*case) for case in DENSE] + [Key(fmt, export, "qwen3_moe") for fmt, export in MOE] + [HEAD, *REFUSED]
+    keys = [Key(*case) for case in DENSE] + [Key(fmt, export, "qwen3_moe") for fmt, export in MOE] + [HEAD, *KV, *REFUSED]
     for key in keys:
-        fmt, export, arch, hidden, head = key
-        model, inputs = calibrated(fmt, arch, hidden, head)
+        fmt, export, arch, hidden, head, kv = key
+        model, inputs = calibrated(fmt, arch, hidden, head, kv)
         directory = root / "-".join(map(str, key))
         shards = {"max_shard_bytes": SHARD_BYTES} if arch == "qwen3_moe" else {}  # vLLM reads the index
         with warnings.catch_warnings(record=True) as caught:
@@ -216,7 +227,7 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         checkpoints[key] = Checkpoint(directory, inputs, [str(w.message) for w in caught])
         jobs.append({"checkpoint": str(directory), "inputs": str(directory.with_suffix(".inputs")),
                      "outputs": str(directory.with_suffix(".outputs")),
-                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else [],
+                     "dump": [EXPERTS_MODULE] if arch == "qwen3_moe" else attention_modules(arch) if kv else [],
                      "moe_backend": "emulation" if fmt.startswith("nvfp4") else "triton"})
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_src), os.environ.get("PYTHONPATH", "")]))
@@ -329,6 +340,22 @@ def test_vllm_loads_a_quantized_lm_head_from_modelopt(served):
         expected = load(checkpoint.directory, dtype=torch.bfloat16).lm_head(x).float()
     got = checkpoint.outputs["lm_head"].float()
     assert got.shape == expected.shape and (got - expected).norm() <= 1e-2 * expected.norm()
+
+
+@pytest.mark.parametrize("key", list(KV), ids=lambda key: f"{key.fmt}-{key.export}-{key.arch}")
+def test_vllm_loads_the_fp8_kv_cache_scales(key, served):
+    """vLLM's KV-cache method takes every attention layer's ``k_scale`` / ``v_scale`` under the
+    flavour's names (remapped to ``self_attn.attn.*``), equal to quantkit's calibrated scales."""
+    checkpoint = served[key]
+    assert_loaded_cleanly(checkpoint)
+    assert not [n for n in checkpoint.result["unloaded"] if n.endswith(("attn.k_scale", "attn.v_scale"))]
+    scales = kv_scales(calibrated(key.fmt, key.arch, key.hidden, key.head, key.kv)[0])
+    assert len(scales) == len(attention_modules(key.arch))
+    for module in attention_modules(key.arch):
+        assert checkpoint.result["schemes"][module] == KV[key]
+        params = loaded_params(checkpoint.outputs, module)
+        k_scale, v_scale = scales[module.removesuffix(".attn")]
+        assert params["k_scale"].item() == k_scale.item() and params["v_scale"].item() == v_scale.item(), module
 
 
 @pytest.mark.parametrize("key", list(REFUSED), ids=lambda key: f"{key.fmt}-hidden{key.hidden}-head{key.head}")

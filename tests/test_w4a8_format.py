@@ -14,7 +14,7 @@ from quantkit.formats.codecs import unpack_nibbles
 from quantkit.kernels.sm90 import nvfp4_supports
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.nn import QuantLinear, quantize_model
-from test_sm90_nvfp4 import e4m3_round_f64
+from f64_reference import e4m3_round_f64
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 

@@ -5,7 +5,9 @@
    layer 0. Layers are replaced by identities for that pass, so no layer runs.
 2. For each decoder layer in turn: move it to the device, run the calibration hidden states
    through it with observers on its Linear inputs, run the recipe's algorithms, swap its Linears
-   for QuantLinears, compute its outputs (the next layer's inputs), and move it back.
+   for QuantLinears, compute its outputs (the next layer's inputs), and move it back. With an FP8
+   KV cache (``Recipe.kv_cache``) the first run also records each attention module's largest key
+   and value; the layer then attends over FP8 keys and values in every later run.
 
 MoE blocks: fused experts are first split into per-expert Linears
 (:func:`quantkit.nn.experts.linearize_experts`), and while a layer is calibrated every expert runs
@@ -36,6 +38,7 @@ from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
 from quantkit.nn.experts import calibrating_all_experts, linearize_experts, shared_input_groups
+from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, observe, scales_from_amax
 from quantkit.nn.swap import QuantizationReport, fused_groups, plan_layers, quantize_model, shared_weight_amax
 
 
@@ -201,8 +204,12 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
             targets = run_block(states=float_hidden) if float_hidden is not None else None
             observed = observed_inputs(layer, scope, list(linears))
             observers = {h: InputObserver(linears[h], hessian=needs_hessian) for h in dict.fromkeys(observed.values())}
-            float_out = run_block()
+            attentions = attention_modules(layer) if recipe.kv_cache else {}
+            with observe(model, attentions) as kv_amax:
+                float_out = run_block()
             stats = {h: o.finish() for h, o in observers.items()}
+            if attentions:  # the cache is FP8 from here on: in the algorithms' runs and the outputs
+                enable_kv_cache(model, {scope + n: scales_from_amax(kv_amax[n]) for n in attentions})
             ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block, targets)
             for algo in algos:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quantkit.formats import get_format
+from quantkit.nn.kv_cache import KV_CACHE_FORMATS
 from quantkit.nn.swap import DEFAULT_IGNORE
 
 # The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md).
@@ -22,16 +23,20 @@ class Recipe:
     stage at most once, see :mod:`quantkit.calibrate.algorithms`); ``ignore`` glob/``re:``
     patterns of Linear names to leave alone; ``options`` per algorithm; ``propagate``: feed each
     decoder layer the outputs of the already *quantized* previous layers (``"quantized"``) or of the
-    float ones (``"float"``)."""
+    float ones (``"float"``); ``kv_cache``: ``"fp8"`` calibrates a static FP8 KV-cache scale per
+    attention layer (:mod:`quantkit.nn.kv_cache`), ``None`` leaves the cache in the model dtype."""
 
     format: str = "nvfp4"
     algorithms: tuple[str, ...] = ()
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     options: dict[str, dict] = field(default_factory=dict)
     propagate: str = "quantized"
+    kv_cache: str | None = None
 
     def __post_init__(self) -> None:
         get_format(self.format)
+        if self.kv_cache not in (None, *KV_CACHE_FORMATS):
+            raise ValueError(f"unknown KV-cache format {self.kv_cache!r}; valid: {', '.join(KV_CACHE_FORMATS)}")
         if self.propagate not in ("quantized", "float"):
             raise ValueError(f"propagate must be 'quantized' or 'float', got {self.propagate!r}")
         if not self.algorithms:
@@ -39,11 +44,11 @@ class Recipe:
 
     @property
     def needs_data(self) -> bool:
-        """True when calibration data is needed: static activation scales or a data-driven algorithm."""
+        """True when calibration data is needed: static activation or KV-cache scales, or a data-driven algorithm."""
         from quantkit.calibrate.algorithms import ALIASES
 
         act = get_format(self.format).activation
-        return (act is not None and act.static) or any(ALIASES.get(a, a) != "rtn" for a in self.algorithms)
+        return (act is not None and act.static) or self.kv_cache is not None or any(ALIASES.get(a, a) != "rtn" for a in self.algorithms)
 
     @classmethod
     def parse(cls, format: str, algo: str | None = None, ignore: list[str] | None = None, **kwargs) -> Recipe:

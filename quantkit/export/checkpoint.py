@@ -27,6 +27,7 @@ from quantkit.formats import QuantizedWeight, get_format
 from quantkit.nn import QuantLinear
 from quantkit.nn.experts import expert_modules, linearize_experts, router_names
 from quantkit.nn.fuse import FusedProjections, straddling_members
+from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, kv_scales
 from quantkit.nn.swap import fused_groups
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
@@ -51,7 +52,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint
     (what ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts
     are written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE
-    loaders read them. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
+    loaders read them. A model with an FP8 KV cache (``Recipe(kv_cache="fp8")``,
+    :mod:`quantkit.nn.kv_cache`) also gets its per-layer ``k_scale`` / ``v_scale`` and the
+    flavour's KV-cache entry in the config. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
     Raises ``ValueError`` for a model without QuantLinear layers or with fused projections
     (:func:`quantkit.fuse_projections`), a format the flavour lacks, or a static-activation format
     (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
@@ -76,15 +79,20 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     names = CheckpointNames(model)
     high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
     ignore = [names.module(name) for name in high_precision]
-    tensors = _tensors_to_write(model, layers, specs, names)
+    kv = kv_scales(model)
+    kv_cache = "fp8" if kv else None
+    tensors = _tensors_to_write(model, layers, specs, names, skip={f"{a}.kv_cache.{s}" for a in kv for s in ("k_scale", "v_scale")})
+    for attention, scales in kv.items():
+        for local, scale in zip(flavour.KV_SCALE_NAMES, scales):
+            tensors[f"{names.module(attention)}.{local}"] = scale.detach().float().cpu().reshape(())
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = flavour.quantization_config(fmt, ignore)
+    cfg["quantization_config"] = flavour.quantization_config(fmt, ignore, kv_cache)
     if cfg.get("tie_word_embeddings") and isinstance(output_embeddings, QuantLinear):
         cfg["tie_word_embeddings"] = False  # a quantized lm_head no longer shares the embedding matrix
     with atomic_directory(out_dir) as tmp:
         write_safetensors(tensors, tmp, max_shard_bytes)
-        for name, obj in flavour.sidecar_files(fmt, ignore).items():
+        for name, obj in flavour.sidecar_files(fmt, ignore, kv_cache).items():
             write_json(tmp / name, obj)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -125,9 +133,9 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], h
 
 
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
-                      names: CheckpointNames) -> dict[str, torch.Tensor]:
+                      names: CheckpointNames, skip: set[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its checkpoint name (``names``): QuantLinear layers per
-    ``specs``, the rest as in ``state_dict``. Tied tensors (the same storage, shape and offset, e.g.
+    ``specs``, the rest as in ``state_dict`` except the keys in ``skip``. Tied tensors (the same storage, shape and offset, e.g.
     a tied lm_head) are written once, under their first name, as Hugging Face does."""
     out: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
@@ -138,7 +146,7 @@ def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: t
     seen: set[tuple] = set()
     storages: set[int] = set()
     for key, t in model.state_dict().items():
-        if key.rpartition(".")[0] in layers:
+        if key.rpartition(".")[0] in layers or key in skip:
             continue
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
         if view in seen:
@@ -220,6 +228,17 @@ def _load_layer(model: nn.Module, name: str, disk: str, linear: nn.Linear, fmt: 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _load_kv_scales(model: nn.Module, flavour: ModuleType, tensors: CheckpointTensors, names: CheckpointNames) -> None:
+    """Give every attention module the FP8 KV cache of its checkpoint scales (``flavour.KV_SCALE_NAMES``)."""
+    scales = {name: tuple(tensors.take(f"{names.module(name)}.{local}", _FLOATS, ()).float()
+                          for local in flavour.KV_SCALE_NAMES)
+              for name in attention_modules(model)}
+    try:
+        enable_kv_cache(model, scales)
+    except ValueError as err:
+        raise CheckpointError(f"{tensors.directory}: {err}") from None
+
+
 def _load_rest(model: nn.Module, tensors: CheckpointTensors, names: CheckpointNames) -> None:
     """Load the checkpoint's remaining tensors into the model's parameters and buffers they name
     (floating tensors cast to the parameter's dtype; shapes must match)."""
@@ -259,6 +278,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
     for name, module in list(model.named_modules()):
         if scheme.selects(names.module(name), module):
             _load_layer(model, name, names.module(name), module, scheme.format, specs, tensors, dtype)
+    if scheme.kv_cache:
+        _load_kv_scales(model, flavour, tensors, names)
     _load_rest(model, tensors, names)
     model.tie_weights()
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -295,7 +316,8 @@ def _warn_where_vllm_rerounds(model: nn.Module, fmt: str, directory: Path) -> No
 def describe(path: str | os.PathLike) -> dict:
     """What checkpoint ``path`` holds, from its config and safetensors headers (no tensor is read).
 
-    Keys: ``architecture``, ``export`` (flavour), ``format`` (quantkit format), ``quantized_layers``,
+    Keys: ``architecture``, ``export`` (flavour), ``format`` (quantkit format), ``kv_cache``
+    (``"fp8"`` or ``None``), ``quantized_layers``,
     ``ignored_layers`` (entries of the ignore list), ``files``, ``tensors``, ``tensor_bytes`` and
     ``bytes_by_dtype`` (safetensors dtype names, e.g. ``{"U8": ..., "F8_E4M3": ..., "BF16": ...}``).
     Raises :class:`CheckpointError` like :func:`load`."""
@@ -312,6 +334,7 @@ def describe(path: str | os.PathLike) -> dict:
         "architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
         "export": flavour.NAME,
         "format": scheme.format,
+        "kv_cache": scheme.kv_cache,
         "quantized_layers": sum(name.endswith(".weight_scale") for name in tensors.info),
         "ignored_layers": len(scheme.ignore),
         "files": sorted({info.file for info in tensors.info.values()}),

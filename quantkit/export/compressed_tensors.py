@@ -21,6 +21,10 @@ fp8-dynamic    float-quantized            ``weight`` E4M3 [N, K], ``weight_scale
 fp8            float-quantized            ``weight`` E4M3 [N, K], ``weight_scale`` FP32 [1], ``input_scale`` FP32 [1]
 =============  =========================  ===================================================
 
+An FP8 KV cache (:mod:`quantkit.nn.kv_cache`) adds ``kv_cache_scheme`` (8-bit float, per tensor,
+static, symmetric: llm-compressor's and the one vLLM reads) and per attention module FP32
+``self_attn.k_scale`` and ``self_attn.v_scale`` (shape ``[]``).
+
 The global scales are stored in compressed-tensors' reciprocal convention (see
 :func:`quantkit.export.layout.reciprocal`). FP8 scales are written in FP32 (llm-compressor writes
 the model dtype; vLLM reads both into FP32 parameters).
@@ -37,6 +41,10 @@ from quantkit.export.io import CheckpointError
 from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, tag_format, tagged_format
 
 NAME = "compressed-tensors"
+KV_SCALE_NAMES = ("k_scale", "v_scale")  # under the attention module
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
+                   "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}}
 VERSION = "0.20.1"  # the compressed-tensors release whose config layout this mirrors
 
 _E4M3 = torch.float8_e4m3fn
@@ -111,19 +119,20 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
     return _SPECS[fmt]
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict:
+def quantization_config(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict:
     """The ``quantization_config`` entry of config.json for ``fmt`` with the skipped Linear names ``ignore``
-    (a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`, adds ``quantkit_format``)."""
+    (a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`, adds ``quantkit_format``)
+    and ``kv_cache`` (``"fp8"`` or ``None``)."""
     _, compression, weights, inputs = SCHEMES[fmt]
     group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
              "output_activations": None, "format": compression}
     return tag_format({"config_groups": {"group_0": group}, "format": compression, "global_compression_ratio": None,
-            "ignore": list(ignore), "kv_cache_scheme": None, "moe_sparsity_config": None,
+            "ignore": list(ignore), "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None, "moe_sparsity_config": None,
             "quant_method": "compressed-tensors", "quantization_status": "compressed",
             "sparsity_config": {}, "transform_config": {}, "version": VERSION}, fmt)
 
 
-def sidecar_files(fmt: str, ignore: list[str]) -> dict[str, dict]:
+def sidecar_files(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict[str, dict]:
     """Extra JSON files this flavour writes next to config.json (none)."""
     return {}
 
@@ -187,4 +196,16 @@ def read_config(qcfg: dict) -> Scheme:
         return (isinstance(module, nn.Linear) and any(_matches(name, module, t) for t in targets)
                 and not any(_matches(name, module, p) for p in ignore))
 
-    return Scheme(tagged_format(qcfg, formats.pop()), tuple(ignore), selects)
+    return Scheme(tagged_format(qcfg, formats.pop()), tuple(ignore), selects, _kv_cache(qcfg.get("kv_cache_scheme")))
+
+
+def _kv_cache(scheme: dict | None) -> str | None:
+    """``"fp8"`` for the KV-cache scheme quantkit reads (8-bit float, per tensor, static,
+    symmetric), ``None`` for none; :class:`CheckpointError` for any other."""
+    if scheme is None:
+        return None
+    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    if not isinstance(scheme, dict) or any(scheme.get(k, v if k == "symmetric" else None) != v for k, v in wanted.items()):
+        raise CheckpointError(f"kv_cache_scheme {scheme!r} is not one quantkit reads (FP8 E4M3 with one static "
+                              "scale per tensor: num_bits 8, type float, strategy tensor, dynamic false)")
+    return "fp8"

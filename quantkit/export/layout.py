@@ -25,11 +25,13 @@ Shape = Callable[[int, int], tuple[int, ...]]
 class Scheme:
     """What a checkpoint's quantization config says: the quantkit ``format``, the Linear layers it
     leaves in high precision (``ignore``: names or patterns), and ``selects(name, module)``, true for
-    the modules that hold quantized weights."""
+    the modules that hold quantized weights; ``kv_cache``: ``"fp8"`` for an FP8 KV cache with
+    per-layer static scales (:mod:`quantkit.nn.kv_cache`), else ``None``."""
 
     format: str
     ignore: tuple[str, ...]
     selects: Callable[[str, nn.Module], bool]
+    kv_cache: str | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ fp8-block     fp8_pb_wo                    ``weight`` E4M3 [N, K], ``weight_scal
 mxfp8         MXFP8                        ``weight`` E4M3 [N, K], ``weight_scale`` E8M0 (u8) [N, K/32]
 ============  ===========================  ============================================================
 
+An FP8 KV cache (:mod:`quantkit.nn.kv_cache`) adds ``kv_cache_quant_algo: FP8`` to
+:data:`SIDECAR` (config.json: ``kv_cache_scheme``, as ModelOpt converts it) and per attention module
+FP32 ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale`` (``amax / 448``, shape ``[]``).
+
 These are what ModelOpt's ``export_hf_checkpoint`` writes (``fp8_pb_wo`` in lower case and the
 4-D block scale included). ModelOpt calls ``fp8_pb_wo`` weight-only; vLLM serves it as W8A8 with
 activations quantized dynamically per 1×128 group, which is quantkit's ``fp8-block``, so that is
@@ -40,6 +44,8 @@ from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, 
 NAME = "modelopt"
 SIDECAR = "hf_quant_config.json"
 GROUP_SIZE = 16
+KV_SCALE_NAMES = ("k_proj.k_scale", "v_proj.v_scale")  # under the attention module
+_KV_ALGOS = {"fp8": "FP8"}
 
 _E4M3 = torch.float8_e4m3fn
 ALGOS = {"nvfp4": "NVFP4", "nvfp4-w4a16": "W4A16_NVFP4", "fp8": "FP8", "fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN",
@@ -80,20 +86,23 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
     return _SPECS[fmt]
 
 
-def _hf_quant_config(fmt: str, ignore: list[str]) -> dict:
-    quantization = {"quant_algo": ALGOS[fmt], "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
+def _hf_quant_config(fmt: str, ignore: list[str], kv_cache: str | None) -> dict:
+    quantization = {"quant_algo": ALGOS[fmt], "kv_cache_quant_algo": _KV_ALGOS.get(kv_cache),
+                    "exclude_modules": list(ignore)}
     stored = STORED_AS.get(fmt, fmt)
     if stored in _GROUP_SIZES:
         quantization["group_size"] = _GROUP_SIZES[stored]
     return {"producer": {"name": "quantkit", "version": quantkit.__version__}, "quantization": quantization}
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict:
+def quantization_config(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict:
     """config.json's ``quantization_config``: what ModelOpt's ``convert_hf_quant_config_format`` makes
     of :data:`SIDECAR` (config groups for NVFP4 and FP8, ``ignore``, ``quant_algo``, ``producer``;
     ``quantkit_format`` for a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`)."""
-    sidecar = _hf_quant_config(fmt, ignore)
+    sidecar = _hf_quant_config(fmt, ignore, kv_cache)
     out = {"ignore": list(ignore), "quant_algo": ALGOS[fmt], "producer": sidecar["producer"], "quant_method": "modelopt"}
+    if kv_cache:
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
     stored = STORED_AS.get(fmt, fmt)
     if stored in ("nvfp4", "fp8"):
         bits, extra = (4, {"group_size": GROUP_SIZE}) if stored == "nvfp4" else (8, {})
@@ -102,9 +111,9 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
     return tag_format(out, fmt)
 
 
-def sidecar_files(fmt: str, ignore: list[str]) -> dict[str, dict]:
+def sidecar_files(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict[str, dict]:
     """``{"hf_quant_config.json": ...}``, the file ModelOpt writes and older vLLMs read."""
-    return {SIDECAR: _hf_quant_config(fmt, ignore)}
+    return {SIDECAR: _hf_quant_config(fmt, ignore, kv_cache)}
 
 
 def read_config(qcfg: dict) -> Scheme:
@@ -126,4 +135,17 @@ def read_config(qcfg: dict) -> Scheme:
     def selects(name: str, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) and not any(name == p or fnmatchcase(name, p) for p in exclude)
 
-    return Scheme(tagged_format(qcfg, _FORMATS[algo]), tuple(exclude), selects)
+    return Scheme(tagged_format(qcfg, _FORMATS[algo]), tuple(exclude), selects,
+                  _kv_cache(details.get("kv_cache_quant_algo"), qcfg.get("kv_cache_scheme")))
+
+
+def _kv_cache(algo, scheme) -> str | None:
+    """``"fp8"`` for ModelOpt's FP8 KV cache (``kv_cache_quant_algo: FP8`` in :data:`SIDECAR`, or
+    config.json's ``kv_cache_scheme``), ``None`` for none; :class:`CheckpointError` otherwise."""
+    if isinstance(scheme, dict) and algo is None:
+        algo = "FP8" if (scheme.get("num_bits"), scheme.get("type"), scheme.get("dynamic")) == (8, "float", False) else scheme
+    if algo is None:
+        return None
+    if str(algo).upper() != "FP8":
+        raise CheckpointError(f"ModelOpt kv_cache_quant_algo {algo!r} is not one quantkit reads (FP8)")
+    return "fp8"
