@@ -5,6 +5,7 @@ from typer.testing import CliRunner
 
 import quantkit
 from quantkit.cli import app
+from quantkit.nn.kv_cache import kv_scales
 from test_eval_fixtures import tiny_llama, tiny_tokenizer
 
 runner = CliRunner()
@@ -47,11 +48,22 @@ def test_quantize_writes_a_checkpoint_that_loads(model_dir, tmp_path, fmt, expor
     assert res.exit_code == 0 and fmt in res.output
 
 
+def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--format", "fp8-dynamic", "--kv-cache", "fp8",
+              "--samples", 4, "--seq-len", 32)
+    assert res.exit_code == 0, res.output
+    assert len(kv_scales(quantkit.load(out))) == 2  # both decoder layers
+    res = run("inspect", out)
+    assert res.exit_code == 0 and "kv_cache" in res.output and "fp8" in res.output
+
+
 @pytest.mark.parametrize("args,message", [
     (["--format", "int3"], "unknown format 'int3'"),
     (["--calib", "/nonexistent/calib.jsonl"], "does not exist"),
     (["--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--export", "gguf"], "unknown export flavour 'gguf'"),
+    (["--kv-cache", "int8"], "unknown KV-cache format 'int8'"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, args, message):
     out = tmp_path / "q"
