@@ -87,16 +87,19 @@ def test_calibrated_scales_are_the_largest_post_rope_key_and_value_over_448():
         assert v_scale.item() == pytest.approx(v.abs().max().item() / 448, rel=1e-5)
 
 
-def test_attention_over_the_fp8_cache_matches_float64_math():
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attention_over_the_fp8_cache_matches_float64_math(implementation):
     model = tiny_llama(3)
+    model.set_attn_implementation(implementation)
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
     attn = model.model.layers[0].self_attn
     h, pe = attention_inputs(model, 0, ids)
     k, v = keys_values_f64(attn, h, pe)
     k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
     enable_kv_cache(model, {"model.layers.0.self_attn": (k_scale, v_scale)})
+    causal = torch.full((h.shape[1], h.shape[1]), -math.inf).triu(1)[None, None]  # additive, as the model builds it
     with torch.no_grad():
-        got = attn(hidden_states=h, position_embeddings=pe, attention_mask=None)[0]
+        got = attn(hidden_states=h, position_embeddings=pe, attention_mask=causal)[0]
 
     def fp8(x, s):  # the FP32 scale and quotient, E4M3 rounding, back in float64
         s = s.float().double()

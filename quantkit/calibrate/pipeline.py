@@ -209,6 +209,9 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                 float_out = run_block()
             stats = {h: o.finish() for h, o in observers.items()}
             if attentions:  # the cache is FP8 from here on: in the algorithms' runs and the outputs
+                if set(kv_amax) != set(attentions):
+                    raise CalibrationError(f"attention modules {sorted(set(attentions) - set(kv_amax))} of layer {i} "
+                                           "never ran their attention function: no FP8 KV-cache scale for them")
                 enable_kv_cache(model, {scope + n: scales_from_amax(kv_amax[n]) for n in attentions})
             ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block, targets)

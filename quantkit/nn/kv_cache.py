@@ -103,10 +103,13 @@ def _device(module: nn.Module) -> torch.device:
 
 
 def _use_wrapper(model: nn.Module) -> None:
-    config = model.config
-    current = config._attn_implementation or "eager"
+    current = model.config._attn_implementation or "eager"
     if not current.startswith(_PREFIX):
-        model.set_attn_implementation(_register(current))
+        name = _register(current)
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                             "AttentionInterface, so quantkit cannot give it an FP8 KV cache")
 
 
 def enable_kv_cache(model: nn.Module, scales: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
