@@ -106,6 +106,7 @@ def main() -> None:
     from quantkit.calibrate.recipe import Recipe
     from quantkit.export import describe, load
     from quantkit.models import load_model
+    from quantkit.nn import calibrate_kv_cache
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="*", default=["nvfp4", "nvfp4-w4a16", "fp8-block", "mxfp8"])
@@ -122,6 +123,8 @@ def main() -> None:
     p.add_argument("--propagate", default="quantized", choices=["quantized", "float"],
                    help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
     p.add_argument("--kv-cache", default=None, choices=["fp8"], help="also an FP8 KV cache (Recipe.kv_cache)")
+    p.add_argument("--kv-cache-after", action="store_true",
+                   help="with --kv-cache: calibrate the weights without it, then add it (quantkit.nn.calibrate_kv_cache)")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
@@ -168,12 +171,15 @@ def main() -> None:
             key = f"{fmt}|{algo}{args.tag}"
             if key in results:
                 continue
-            extra = {"options": options, "propagate": args.propagate, "kv_cache": args.kv_cache}
+            extra = {"options": options, "propagate": args.propagate,
+                     "kv_cache": None if args.kv_cache_after else args.kv_cache}
             recipe = Recipe(fmt, **extra) if algo == "default" else Recipe.parse(fmt, algo, **extra)
             model = copy.deepcopy(base)
             t = time.time()
             with torch.no_grad():
                 quantize(model, recipe, calib, batch_size=8)
+                if args.kv_cache and args.kv_cache_after:
+                    calibrate_kv_cache(model, calib)
             record(key, model, time.time() - t, "+".join(recipe.algorithms))
             del model
     for label, directory in (c.split("=", 1) for c in args.checkpoints):

@@ -15,7 +15,7 @@ from quantkit.calibrate import Recipe, quantize
 from quantkit.eval.bench import _cache_kwarg
 from quantkit.export import describe
 from quantkit.export.io import CheckpointError
-from quantkit.nn.kv_cache import enable_kv_cache, kv_qdq, kv_scales
+from quantkit.nn.kv_cache import calibrate_kv_cache, enable_kv_cache, kv_qdq, kv_scales
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -84,6 +84,22 @@ def test_calibrated_scales_are_the_largest_post_rope_key_and_value_over_448():
         k, v = keys_values_f64(float_model.model.layers[i].self_attn, h, pe)
         k_scale, v_scale = scales[f"model.layers.{i}.self_attn"]
         assert k_scale.dtype == torch.float32 and k_scale.item() == pytest.approx(k.abs().max().item() / 448, rel=1e-5)
+        assert v_scale.item() == pytest.approx(v.abs().max().item() / 448, rel=1e-5)
+
+
+def test_calibrate_kv_cache_adds_scales_to_an_already_quantized_model():
+    model, ids = tiny_llama(13), torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(14))
+    quantkit.quantize_model(model, "nvfp4-w4a16")
+    inputs = [attention_inputs(model, i, ids) for i in range(2)]  # before: every layer's cache in float
+    calibrate_kv_cache(model, ids, batch_size=2)
+    for i, (h, pe) in enumerate(inputs):
+        attn = model.model.layers[i].self_attn
+        k = (attn.k_proj(h).double().view(*h.shape[:2], -1, attn.head_dim).transpose(1, 2))
+        cos, sin = (p.double().unsqueeze(1) for p in pe)
+        k = k * cos + rotate_half_f64(k) * sin
+        v = attn.v_proj(h).double()
+        k_scale, v_scale = kv_scales(model)[f"model.layers.{i}.self_attn"]
+        assert k_scale.item() == pytest.approx(k.abs().max().item() / 448, rel=1e-5)
         assert v_scale.item() == pytest.approx(v.abs().max().item() / 448, rel=1e-5)
 
 

@@ -158,6 +158,20 @@ def observe(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[dict[st
             del module._kv_observer
 
 
+@torch.no_grad()
+def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: int = 8) -> None:
+    """Give an already quantized (or float) ``model`` an FP8 KV cache: run ``calib_data`` (int64
+    token ids ``[samples, seq_len]``, on the model's device) through the whole model and set each
+    attention module's scales to its largest key and value over 448. Unlike
+    ``Recipe(kv_cache="fp8")`` the layers before an attention module keep their own cache in the
+    model dtype during this pass, and the whole model must fit the device."""
+    modules = attention_modules(model)
+    with observe(model, modules) as amax:
+        for batch in calib_data.split(batch_size):
+            model(input_ids=batch, use_cache=False)
+    enable_kv_cache(model, {name: scales_from_amax(amax[name]) for name in modules})
+
+
 def scales_from_amax(amax: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_scale, v_scale)`` = ``amax / 448`` (an all-zero tensor gets scale 1)."""
     k, v = (torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a)).cpu() for a in amax)
