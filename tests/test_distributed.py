@@ -18,13 +18,15 @@ from quantkit.export import save
 
 WORLD = 2
 BATCH = 2
-# (format, algorithms, options): static activation scales (max over ranks), Hessians (GPTQ, MSE
-# weighted by the Hessian diagonal), mean |x| and the summed output error (AWQ).
+# (format, algorithms, options, KV cache): static activation scales (max over ranks), Hessians
+# (GPTQ, MSE weighted by the Hessian diagonal), mean |x| and the summed output error (AWQ), FP8
+# KV-cache scales (max over ranks).
 CASES = {
-    "nvfp4-rtn": ("nvfp4", ("rtn",), {}),
-    "fp8-rtn": ("fp8", ("rtn",), {}),
-    "nvfp4-gptq-mse": ("nvfp4", ("gptq", "mse"), {"mse": {"weighted": True}}),
-    "nvfp4-awq": ("nvfp4", ("awq",), {}),
+    "nvfp4-rtn": ("nvfp4", ("rtn",), {}, None),
+    "fp8-rtn": ("fp8", ("rtn",), {}, None),
+    "nvfp4-gptq-mse": ("nvfp4", ("gptq", "mse"), {"mse": {"weighted": True}}, None),
+    "nvfp4-awq": ("nvfp4", ("awq",), {}, None),
+    "fp8-dynamic-kv": ("fp8-dynamic", ("rtn",), {}, "fp8"),
 }
 
 
@@ -53,9 +55,10 @@ def calibrate_cases(out: Path) -> None:
     """Quantize a fresh tiny Llama per case; the main rank saves each checkpoint under ``out/case``;
     every rank writes its model digest and this rank's token count to ``out/case.rank{r}``."""
     rank, _ = world()
-    for case, (fmt, algos, options) in CASES.items():
+    for case, (fmt, algos, options, kv_cache) in CASES.items():
         model = tiny_llama()
-        report = quantize(model, Recipe(fmt, algos, options=options), calib_ids(), batch_size=BATCH, device="cpu")
+        report = quantize(model, Recipe(fmt, algos, options=options, kv_cache=kv_cache), calib_ids(), batch_size=BATCH,
+                          device="cpu")
         (out / f"{case}.rank{rank}").write_text(f"{digest(model)} {report.calibration.state_bytes}")
         if is_main():
             save(model.to(torch.bfloat16), out / case)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.algorithms import LayerContext, build
-from quantkit.calibrate.distributed import rank_device, shard
+from quantkit.calibrate.distributed import all_reduce_, rank_device, shard
 from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
@@ -212,7 +212,8 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                 if set(kv_amax) != set(attentions):
                     raise CalibrationError(f"attention modules {sorted(set(attentions) - set(kv_amax))} of layer {i} "
                                            "never ran their attention function: no FP8 KV-cache scale for them")
-                enable_kv_cache(model, {scope + n: scales_from_amax(kv_amax[n]) for n in attentions})
+                enable_kv_cache(model, {scope + n: scales_from_amax([all_reduce_(a, "max") for a in kv_amax[n]])
+                                        for n in attentions})  # every rank: the largest over all ranks' tokens
             ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block, targets)
             for algo in algos:
