@@ -15,7 +15,13 @@ from quantkit.calibrate import Recipe, quantize
 from quantkit.eval.bench import _cache_kwarg
 from quantkit.export import describe
 from quantkit.export.io import CheckpointError
-from quantkit.nn.kv_cache import attention_modules, calibrate_kv_cache, enable_kv_cache, kv_qdq, kv_scales
+from quantkit.nn.kv_cache import (
+    attention_modules,
+    calibrate_kv_cache,
+    enable_kv_cache,
+    kv_qdq,
+    kv_scales,
+)
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -46,13 +52,18 @@ def attention_inputs(model, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor
     return seen["h"], seen["pe"]
 
 
+def weight_f64(proj) -> torch.Tensor:
+    """The weight a projection applies, float or quantized (``QuantLinear``: its dequantized weight)."""
+    return (proj.dequantized_weight() if isinstance(proj, quantkit.QuantLinear) else proj.weight).double()
+
+
 def keys_values_f64(attn, h: torch.Tensor, pe: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE keys and values ``[B, kv_heads, T, head_dim]`` in float64 from ``attn``'s float
-    (``nn.Linear``) projections."""
+    """Post-RoPE keys and values ``[B, kv_heads, T, head_dim]`` in float64 from ``attn``'s
+    projections (weight-only or unquantized)."""
     b, t, _ = h.shape
     d = attn.head_dim
-    k = (h.double() @ attn.k_proj.weight.double().T).view(b, t, -1, d).transpose(1, 2)
-    v = (h.double() @ attn.v_proj.weight.double().T).view(b, t, -1, d).transpose(1, 2)
+    k = (h.double() @ weight_f64(attn.k_proj).T).view(b, t, -1, d).transpose(1, 2)
+    v = (h.double() @ weight_f64(attn.v_proj).T).view(b, t, -1, d).transpose(1, 2)
     cos, sin = (p.double().unsqueeze(1) for p in pe)
     return k * cos + rotate_half_f64(k) * sin, v
 
@@ -95,11 +106,7 @@ def test_calibrate_kv_cache_adds_scales_to_an_already_quantized_model():
     inputs = [attention_inputs(model, i, ids) for i in range(2)]  # before: every layer's cache in float
     calibrate_kv_cache(model, ids, batch_size=2)
     for i, (h, pe) in enumerate(inputs):
-        attn = model.model.layers[i].self_attn
-        k = (attn.k_proj(h).double().view(*h.shape[:2], -1, attn.head_dim).transpose(1, 2))
-        cos, sin = (p.double().unsqueeze(1) for p in pe)
-        k = k * cos + rotate_half_f64(k) * sin
-        v = attn.v_proj(h).double()
+        k, v = keys_values_f64(model.model.layers[i].self_attn, h, pe)
         k_scale, v_scale = kv_scales(model)[f"model.layers.{i}.self_attn"]
         assert k_scale.item() == pytest.approx(k.abs().max().item() / 448, rel=1e-5)
         assert v_scale.item() == pytest.approx(v.abs().max().item() / 448, rel=1e-5)

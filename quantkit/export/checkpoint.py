@@ -81,7 +81,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     ignore = [names.module(name) for name in high_precision]
     kv = kv_scales(model)
     kv_cache = "fp8" if kv else None
-    tensors = _tensors_to_write(model, layers, specs, names, skip={f"{a}.kv_cache.{s}" for a in kv for s in ("k_scale", "v_scale")})
+    tensors = _tensors_to_write(model, layers, specs, names, skip={f"{a}.kv_cache" for a in kv})
     for attention, scales in kv.items():
         for local, scale in zip(flavour.KV_SCALE_NAMES, scales):
             tensors[f"{names.module(attention)}.{local}"] = scale.detach().float().cpu().reshape(())
@@ -135,7 +135,7 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], h
 def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
                       names: CheckpointNames, skip: set[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its checkpoint name (``names``): QuantLinear layers per
-    ``specs``, the rest as in ``state_dict`` except the keys in ``skip``. Tied tensors (the same storage, shape and offset, e.g.
+    ``specs``, the rest as in ``state_dict`` except the tensors of the modules in ``skip``. Tied tensors (the same storage, shape and offset, e.g.
     a tied lm_head) are written once, under their first name, as Hugging Face does."""
     out: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
@@ -146,7 +146,8 @@ def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: t
     seen: set[tuple] = set()
     storages: set[int] = set()
     for key, t in model.state_dict().items():
-        if key.rpartition(".")[0] in layers or key in skip:
+        module = key.rpartition(".")[0]
+        if module in layers or module in skip:
             continue
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
         if view in seen:

@@ -205,7 +205,8 @@ def _kv_cache(scheme: dict | None) -> str | None:
     if scheme is None:
         return None
     wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-    if not isinstance(scheme, dict) or any(scheme.get(k, v if k == "symmetric" else None) != v for k, v in wanted.items()):
+    given = {"symmetric": True, **scheme} if isinstance(scheme, dict) else {}  # symmetric unless it says not
+    if any(given.get(k) != v for k, v in wanted.items()):
         raise CheckpointError(f"kv_cache_scheme {scheme!r} is not one quantkit reads (FP8 E4M3 with one static "
                               "scale per tensor: num_bits 8, type float, strategy tensor, dynamic false)")
     return "fp8"

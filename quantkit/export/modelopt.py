@@ -142,10 +142,10 @@ def read_config(qcfg: dict) -> Scheme:
 def _kv_cache(algo, scheme) -> str | None:
     """``"fp8"`` for ModelOpt's FP8 KV cache (``kv_cache_quant_algo: FP8`` in :data:`SIDECAR`, or
     config.json's ``kv_cache_scheme``), ``None`` for none; :class:`CheckpointError` otherwise."""
-    if isinstance(scheme, dict) and algo is None:
-        algo = "FP8" if (scheme.get("num_bits"), scheme.get("type"), scheme.get("dynamic")) == (8, "float", False) else scheme
-    if algo is None:
+    if algo is None and scheme is None:
         return None
-    if str(algo).upper() != "FP8":
-        raise CheckpointError(f"ModelOpt kv_cache_quant_algo {algo!r} is not one quantkit reads (FP8)")
+    fp8 = (str(algo).upper() == "FP8" if algo is not None else isinstance(scheme, dict)
+           and (scheme.get("num_bits"), scheme.get("type"), scheme.get("dynamic")) == (8, "float", False))
+    if not fp8:
+        raise CheckpointError(f"ModelOpt KV cache {algo if algo is not None else scheme!r} is not one quantkit reads (FP8)")
     return "fp8"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.formats.codecs import E4M3_MAX, e4m3_encode
+from quantkit.nn.linear import moved_only
 
 KV_CACHE_FORMATS = ("fp8",)
 _PREFIX = "quantkit_fp8_kv:"
@@ -45,7 +46,7 @@ class KVCacheScales(nn.Module):
 
     def _apply(self, fn, recurse=True):
         for name, t in self._buffers.items():
-            self._buffers[name] = t.to(fn(torch.empty(0, device=t.device)).device)
+            self._buffers[name] = moved_only(fn, t)
         return self
 
 

@@ -9,6 +9,11 @@ from quantkit.formats import Format, QuantizedWeight, get_format
 from quantkit.kernels.epilogue import Epilogue
 
 
+
+def moved_only(fn, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the device ``fn`` (a ``Module._apply`` function) moves tensors to, dtype kept."""
+    return t.to(fn(torch.empty(0, device=t.device)).device)
+
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as a :class:`QuantizedWeight` in buffers.
 
@@ -93,7 +98,7 @@ class QuantLinear(nn.Module):
             super()._apply(fn, recurse)
         finally:
             for name, t in held.items():
-                self._buffers[name] = t.to(fn(torch.empty(0, device=t.device)).device)
+                self._buffers[name] = moved_only(fn, t)
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
