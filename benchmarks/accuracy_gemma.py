@@ -21,6 +21,8 @@ rows already there are skipped: the run can be resumed) and the Markdown table t
 float32; the row key is ``<format>|LABEL``), e.g. those ``peer_checkpoints.py`` writes with
 ModelOpt's or llm-compressor's own recipes from the calibration tokens ``--calib-dump`` saves;
 ``--vllm-stacking`` evaluates per-tensor fp8 ones as vLLM serves them (``stack_fp8_scales_as_vllm``).
+``--device cuda`` calibrates and evaluates on the GPU (the QuantLinears in their float32 reference
+path, as on CPU); ``QUANTKIT_DATA`` points at another copy of ``../shared/data``.
 
     python benchmarks/accuracy_gemma.py --formats nvfp4 fp8-block --algos rtn mse gptq awq smoothquant default
     python benchmarks/accuracy_gemma.py --out benchmarks/results/accuracy_gemma_nvfp4.json --table
@@ -33,13 +35,14 @@ import argparse
 import copy
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-DATA = Path("/work/shared/data")
+DATA = Path(os.environ.get("QUANTKIT_DATA", "/work/shared/data"))  # WikiText-2 and LAMBADA (../shared/data)
 
 
 def wikitext_windows(tokenizer, windows: int, seq_len: int) -> torch.Tensor:
@@ -78,6 +81,7 @@ def perplexity(model, windows: torch.Tensor) -> float:
     """exp of the mean next-token NLL over every token after the BOS of each window."""
     nll = 0.0
     for w in windows:
+        w = w.to(model.device)
         logits = model(input_ids=w[None], use_cache=False).logits[0, :-1].float()
         nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
     return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
@@ -92,11 +96,11 @@ def lambada_accuracy(model, requests: list[tuple[list[int], int]], batch_size: i
     for b in range(0, len(order), batch_size):
         batch = order[b:b + batch_size]
         width = len(batch[-1][0])
-        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in batch])
+        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in batch], device=model.device)
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         for row, (r, n) in enumerate(batch):
             logits = model.lm_head(hidden[row, len(r) - n - 1:len(r) - 1])  # softcapping keeps the argmax
-            correct += bool((logits.argmax(-1) == torch.tensor(r[-n:])).all())
+            correct += bool((logits.argmax(-1).cpu() == torch.tensor(r[-n:])).all())
     return correct / len(requests)
 
 
@@ -105,6 +109,7 @@ def main() -> None:
     from quantkit.calibrate.pipeline import quantize
     from quantkit.calibrate.recipe import Recipe
     from quantkit.export import describe, load
+    from quantkit.kernels import use_reference
     from quantkit.models import load_model
     from quantkit.nn import calibrate_kv_cache
 
@@ -125,6 +130,8 @@ def main() -> None:
     p.add_argument("--kv-cache", default=None, choices=["fp8"], help="also an FP8 KV cache (Recipe.kv_cache)")
     p.add_argument("--kv-cache-after", action="store_true",
                    help="with --kv-cache: calibrate the weights without it, then add it (quantkit.nn.calibrate_kv_cache)")
+    p.add_argument("--device", default="cpu", help="where to calibrate and evaluate (e.g. cuda; the QuantLinears "
+                   "run their float32 reference path there too)")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
@@ -152,13 +159,17 @@ def main() -> None:
              "calib_tokens": calib.numel(), "calib_seed": args.calib_seed, "threads": torch.get_num_threads(), "propagate": args.propagate,
              # the CPU kernels' vector ISA: AVX2 and AVX-512 round float32 sums differently, which flips
              # calibration choices (docs/accuracy.md, footnote 13); ATEN_CPU_CAPABILITY selects it
-             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+             **({"device": torch.cuda.get_device_name(args.device)} if args.device.startswith("cuda") else {})}
 
     def record(key: str, model, calib_s: float | None, recipe: str) -> None:
         t = time.time()
-        row = {"recipe": recipe, "ppl": perplexity(model, windows),
-               "lambada": lambada_accuracy(model, requests) if requests else None,
-               "calib_s": calib_s, "eval_s": time.time() - t, **setup}
+        model.to(args.device)
+        with use_reference():  # the float32 function of every format, as on CPU (the GPU kernels compute in bf16)
+            row = {"recipe": recipe, "ppl": perplexity(model, windows),
+                   "lambada": lambada_accuracy(model, requests) if requests else None,
+                   "calib_s": calib_s, "eval_s": time.time() - t, **setup}
+        model.to("cpu")
         results[key] = row
         args.out.write_text(json.dumps(results, indent=1))
         print(key, json.dumps(row), flush=True)
@@ -177,9 +188,9 @@ def main() -> None:
             model = copy.deepcopy(base)
             t = time.time()
             with torch.no_grad():
-                quantize(model, recipe, calib, batch_size=8)
+                quantize(model, recipe, calib, batch_size=8, device=args.device)
                 if args.kv_cache and args.kv_cache_after:
-                    calibrate_kv_cache(model, calib)
+                    calibrate_kv_cache(model.to(args.device), calib.to(args.device))
             record(key, model, time.time() - t, "+".join(recipe.algorithms))
             del model
     for label, directory in (c.split("=", 1) for c in args.checkpoints):

@@ -59,12 +59,12 @@ CALIB = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1
 TEST = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))
 
 
-def relative_logit_error(arch: str, fmt: str, algo: str, options: dict | None = None) -> float:
+def relative_logit_error(arch: str, fmt: str, algo: str, options: dict | None = None, batch_size: int = 4) -> float:
     """``‖logits − float logits‖² / ‖float logits‖²`` of the tiny model after calibrating ``algo``."""
     model = with_outliers(arch)
     with torch.no_grad():
         ref = model(TEST).logits
-    quantize(model, Recipe.parse(fmt, algo, options=options or {}), CALIB, batch_size=4)
+    quantize(model, Recipe.parse(fmt, algo, options=options or {}), CALIB, batch_size=batch_size)
     with torch.no_grad():
         out = model(TEST).logits
     return ((out - ref).pow(2).sum() / ref.pow(2).sum()).item()
@@ -220,6 +220,35 @@ def test_autoround_improves_on_its_scales(arch, target):
     # nothing (measured ratios 0.66-0.77 on MXFP4, whose coarse E8M0 scales leave the most to rounding)
     learned = relative_logit_error(arch, "mxfp4", "mse+autoround", {"autoround": {"iters": 20, "target": target}})
     assert learned < 0.85 * relative_logit_error(arch, "mxfp4", "mse")
+
+
+def test_autoround_in_minibatches_improves_on_its_scales():
+    # one of the 8 single-sample batches per step (AutoRound's own scheme): fails if the offsets do nothing
+    options = {"autoround": {"iters": 40, "batches_per_step": 1, "lr": 1e-2}}
+    learned = relative_logit_error("llama", "mxfp4", "mse+autoround", options, batch_size=1)
+    assert learned < 0.9 * relative_logit_error("llama", "mxfp4", "mse")
+
+
+def test_autoround_minibatch_schedule(monkeypatch):
+    # the first step and the closing loss pass take every batch; steps 2..iters take the next 3 of
+    # one fixed shuffle of the 8 batches, cycling
+    calls, apply = [], AutoRound.apply
+
+    def recording(self, ctx):
+        run_block = ctx.run_block
+        ctx.run_block = lambda batches=None: calls.append(tuple(batches or ())) or run_block(batches)
+        apply(self, ctx)
+
+    monkeypatch.setattr(AutoRound, "apply", recording)
+    model = with_outliers("llama")
+    quantize(model, Recipe.parse("nvfp4", "autoround", options={"autoround": {"iters": 4, "batches_per_step": 3}}),
+             CALIB, batch_size=1)
+    calls = [c for c in calls if c]  # without the targets' pass over all batches
+    assert len(calls) == 2 * (8 + 3 * 3 + 8)  # 2 layers
+    layer0 = [b for (b,) in calls[:25]]
+    assert layer0[:8] == list(range(8)) and layer0[17:] == list(range(8))
+    middle = layer0[8:17]
+    assert sorted(middle[:8]) == list(range(8)) and middle[8] == middle[0]
 
 
 def test_float_targets_are_the_float_models_layer_outputs(monkeypatch):

@@ -16,6 +16,11 @@ over all batches (``lr`` decays linearly to 0 from ``5·10⁻³``: AutoRound's `
 20 iterations, which flipped ~17 % of the roundings in one step on Gemma-3-270M and raised the
 layer loss 100×); the offsets of the iteration with the lowest loss are kept (``v = 0``, round
 to nearest, if none is lower). The last pass only measures the loss of the last step.
+
+With ``batches_per_step = b > 0`` (AutoRound's own scheme: 8 samples per step over 128) the first
+step still takes every batch, and each later step the next ``b`` of the calibration batches,
+cycling through them in a fixed shuffled order; losses over different batches do not compare, so
+the last offsets are kept unless their loss over all batches is above round to nearest's.
 """
 from __future__ import annotations
 
@@ -51,15 +56,18 @@ class AutoRound(Algorithm):
     reproduce — ``"layer"``, the float layer's output on the same inputs (those of the already
     quantized layers before it), or ``"model"``, the float model's output at this layer
     (AutoRound's choice: the layer also corrects the error of the layers before it; costs one
-    more float pass per layer and a third copy of the hidden states)."""
+    more float pass per layer and a third copy of the hidden states). ``batches_per_step``: 0, every
+    calibration batch in each step; else that many per step (see the module doc)."""
 
     name = "autoround"
     stage = "round"
 
-    def __init__(self, iters: int = 50, lr: float = 5e-3, target: str = "layer"):
+    def __init__(self, iters: int = 50, lr: float = 5e-3, target: str = "layer", batches_per_step: int = 0):
         if target not in ("layer", "model"):
             raise ValueError(f"autoround target must be 'layer' or 'model', got {target!r}")
-        self.iters, self.lr = iters, lr
+        if batches_per_step < 0:
+            raise ValueError(f"autoround batches_per_step must be >= 0, got {batches_per_step}")
+        self.iters, self.lr, self.batches_per_step = iters, lr, batches_per_step
         self.needs_float_targets = target == "model"
 
     def apply(self, ctx: LayerContext) -> None:
@@ -84,20 +92,25 @@ class AutoRound(Algorithm):
             p.requires_grad_(False)
         for name, linear in ctx.linears.items():
             linear.forward = quantized_forward(name, linear)
+        every = list(range(len(target)))
+        cycle = torch.randperm(len(target), generator=torch.Generator().manual_seed(0)).tolist()
         best, best_loss = dict(offsets), None
         try:
             for it in range(self.iters + 1):
                 step = it < self.iters  # else: the last pass, loss only
+                full = not (self.batches_per_step and step and it)
+                batches = every if full else [cycle[(j + (it - 1) * self.batches_per_step) % len(cycle)]
+                                              for j in range(self.batches_per_step)]
                 with torch.set_grad_enabled(step):
                     for name, w in weights.items():
                         quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
                     loss = 0.0
-                    for b, t in enumerate(target):
-                        err = (ctx.run_block([b])[0].float() - t).pow(2).sum()
+                    for b in batches:
+                        err = (ctx.run_block([b])[0].float() - target[b]).pow(2).sum()
                         if step:
                             err.backward()
                         loss += err.item()
-                if best_loss is None or loss < best_loss:
+                if full and (best_loss is None or loss < best_loss):
                     best, best_loss = dict(offsets), loss
                 if step:  # ∂loss/∂v = ∂loss/∂ŵ · δ (straight-through), δ > 0: same sign
                     lr = self.lr * (1 - it / self.iters)
