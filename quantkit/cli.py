@@ -1,6 +1,7 @@
 """``quantkit`` command line: quantize, inspect, eval, bench."""
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -23,6 +24,16 @@ def fail(message: str) -> None:
     """Print a one-line error and exit with status 2."""
     console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(2)
+
+
+def _json_options(text: str | None) -> dict:
+    """``--options``: the JSON object of per-algorithm parameters (``{}`` when not given)."""
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--options is not valid JSON ({err}): {text}") from None
 
 
 def _progress(enabled: bool = True) -> Progress:
@@ -54,6 +65,7 @@ def quantize(
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
+    options: Annotated[Optional[str], typer.Option(help='Algorithm parameters as JSON, e.g. \'{"autoround": {"iters": 200}, "gptq": {"act_order": true}}\'.')] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
     kv_cache: Annotated[Optional[str], typer.Option(help="'fp8': also calibrate a static FP8 KV-cache scale per attention layer (vLLM: --kv-cache-dtype fp8).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Where to calibrate: cuda | cpu (default: cuda if present).")] = None,
@@ -81,7 +93,7 @@ def quantize(
     parallel = init_from_env()  # under torchrun: one rank per GPU, each calibrates on its shard of the batches
     writer = is_main()  # rank 0 (or the only process) writes and prints
     try:
-        recipe = Recipe.parse(format, algo, ignore, kv_cache=kv_cache)
+        recipe = Recipe.parse(format, algo, ignore, kv_cache=kv_cache, options=_json_options(options))
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         with _progress(writer) as bars:

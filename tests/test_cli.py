@@ -64,6 +64,10 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     (["--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--export", "gguf"], "unknown export flavour 'gguf'"),
     (["--kv-cache", "int8"], "unknown KV-cache format 'int8'"),
+    (["--options", '{"gptk": {"damp": 0.1}}'], "options for unknown algorithm 'gptk'"),
+    (["--options", '{"autoround": {"iterations": 3}}'], "unknown autoround option(s) iterations; valid: iters, lr, target, batches_per_step"),
+    (["--options", '{"awq": 20}'], "options for awq must map parameter names to values"),
+    (["--options", "{grid: 20}"], "--options is not valid JSON"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, args, message):
     out = tmp_path / "q"
@@ -71,6 +75,19 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, ar
     assert res.exit_code == 2
     assert message in " ".join(res.output.split())
     assert not out.exists()
+
+
+def test_options_reach_the_algorithms(model_dir, tmp_path):
+    # AutoRound with no steps keeps the MSE stage's round to nearest; its default 50 steps would not
+    qweights = {}
+    for name, args in (("mse", ["--algo", "mse"]),
+                       ("autoround0", ["--algo", "mse+autoround", "--options", '{"autoround": {"iters": 0}}']),
+                       ("autoround", ["--algo", "mse+autoround"])):
+        res = run("quantize", model_dir, "--out", tmp_path / name, "--format", "nvfp4-w4a16", "--samples", 4, "--seq-len", 32, *args)
+        assert res.exit_code == 0, res.output
+        qweights[name] = [m.qweight.data for m in quantkit.load(tmp_path / name).modules() if isinstance(m, quantkit.QuantLinear)]
+    assert all(torch.equal(a, b) for a, b in zip(qweights["mse"], qweights["autoround0"]))
+    assert not all(torch.equal(a, b) for a, b in zip(qweights["mse"], qweights["autoround"]))
 
 
 def test_unknown_model_offline_is_a_clear_error(tmp_path):

@@ -21,7 +21,8 @@ DEFAULT_ALGORITHMS: dict[str, tuple[str, ...]] = {
 class Recipe:
     """``format`` (a :func:`quantkit.formats.get_format` name); ``algorithms`` in any order (each
     stage at most once, see :mod:`quantkit.calibrate.algorithms`); ``ignore`` glob/``re:``
-    patterns of Linear names to leave alone; ``options`` per algorithm; ``propagate``: feed each
+    patterns of Linear names to leave alone; ``options``: keyword arguments per algorithm name
+    (``{"autoround": {"iters": 200}}``; checked by :func:`quantkit.calibrate.algorithms.check_options`); ``propagate``: feed each
     decoder layer the outputs of the already *quantized* previous layers (``"quantized"``) or of the
     float ones (``"float"``); ``kv_cache``: ``"fp8"`` calibrates a static FP8 KV-cache scale per
     attention layer (:mod:`quantkit.nn.kv_cache`), ``None`` leaves the cache in the model dtype."""
@@ -34,7 +35,10 @@ class Recipe:
     kv_cache: str | None = None
 
     def __post_init__(self) -> None:
+        from quantkit.calibrate.algorithms import check_options
+
         get_format(self.format)
+        check_options(self.options)
         if self.kv_cache not in (None, *KV_CACHE_FORMATS):
             raise ValueError(f"unknown KV-cache format {self.kv_cache!r}; valid: {', '.join(KV_CACHE_FORMATS)}")
         if self.propagate not in ("quantized", "float"):

@@ -1,6 +1,8 @@
 """Calibration algorithms by name; each is a peer behind :class:`Algorithm`."""
 from __future__ import annotations
 
+import inspect
+
 from quantkit.calibrate.algorithms.base import STAGES, Algorithm, LayerContext
 from quantkit.calibrate.algorithms.autoround import AutoRound
 from quantkit.calibrate.algorithms.awq import AWQ
@@ -13,12 +15,34 @@ ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (RTN, MSE, GP
 ALIASES = {"max": "rtn"}
 
 
+def check_options(options: dict[str, dict]) -> dict[str, dict]:
+    """``options`` keyed by canonical algorithm name (``{"autoround": {"iters": 200}}``). Raises
+    ``ValueError`` naming the problem when a key is no algorithm, a value is no mapping, or a
+    parameter is not one the algorithm takes. Options of algorithms a recipe does not use are
+    allowed (and ignored)."""
+    if not isinstance(options, dict):
+        raise ValueError(f"algorithm options must map algorithm names to parameters, got {options!r}")
+    checked = {}
+    for raw, kwargs in options.items():
+        name = ALIASES.get(raw, raw)
+        if name not in ALGORITHMS:
+            raise ValueError(f"options for unknown algorithm {raw!r}; valid: {', '.join(sorted(ALGORITHMS))}")
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"options for {raw} must map parameter names to values, got {kwargs!r}")
+        params = list(inspect.signature(ALGORITHMS[name]).parameters)
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ValueError(f"unknown {name} option(s) {', '.join(unknown)}; valid: {', '.join(params) or 'none'}")
+        checked[name] = kwargs
+    return checked
+
+
 def build(names: list[str], options: dict[str, dict] | None = None) -> list[Algorithm]:
     """Instantiate the named algorithms in stage order; RTN is added when no ``round`` stage is named.
 
-    ``options``: per-algorithm keyword arguments. Raises ``ValueError`` on unknown names or two
-    algorithms of the same stage."""
-    options = options or {}
+    ``options``: per-algorithm keyword arguments (:func:`check_options`). Raises ``ValueError`` on
+    unknown names, bad options or two algorithms of the same stage."""
+    options = check_options(options or {})
     algos = []
     for raw in names:
         name = ALIASES.get(raw, raw)
@@ -34,4 +58,4 @@ def build(names: list[str], options: dict[str, dict] | None = None) -> list[Algo
     return sorted(algos, key=lambda a: STAGES.index(a.stage))
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "LayerContext", "build"]
+__all__ = ["ALGORITHMS", "Algorithm", "LayerContext", "build", "check_options"]
