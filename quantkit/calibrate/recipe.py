@@ -22,9 +22,10 @@ class Recipe:
     """``format`` (a :func:`quantkit.formats.get_format` name); ``algorithms`` in any order (each
     stage at most once, see :mod:`quantkit.calibrate.algorithms`); ``ignore`` glob/``re:``
     patterns of Linear names to leave alone; ``options``: keyword arguments per algorithm name
-    (``{"autoround": {"iters": 200}}``; checked by :func:`quantkit.calibrate.algorithms.check_options`); ``propagate``: feed each
-    decoder layer the outputs of the already *quantized* previous layers (``"quantized"``) or of the
-    float ones (``"float"``); ``kv_cache``: ``"fp8"`` calibrates a static FP8 KV-cache scale per
+    (``{"autoround": {"iters": 200}}``, checked by
+    :func:`quantkit.calibrate.algorithms.check_options`); ``propagate``: feed each decoder layer the
+    outputs of the already *quantized* previous layers (``"quantized"``) or of the float ones
+    (``"float"``); ``kv_cache``: ``"fp8"`` calibrates a static FP8 KV-cache scale per
     attention layer (:mod:`quantkit.nn.kv_cache`), ``None`` leaves the cache in the model dtype."""
 
     format: str = "nvfp4"
