@@ -132,6 +132,8 @@ def main() -> None:
                    help="with --kv-cache: calibrate the weights without it, then add it (quantkit.nn.calibrate_kv_cache)")
     p.add_argument("--device", default="cpu", help="where to calibrate and evaluate (e.g. cuda; the QuantLinears "
                    "run their float32 reference path there too)")
+    p.add_argument("--degrid", action="store_true",
+                   help="evaluate on the demo model moved off its GGUF grid (degrid); use a separate --out")
     p.add_argument("--tag", default="", help="suffix of the result keys (option variants)")
     p.add_argument("--no-bf16", action="store_true", help="skip the unquantized row")
     p.add_argument("--checkpoints", nargs="*", default=[], metavar="LABEL=DIR", help="saved checkpoints to evaluate")
@@ -147,6 +149,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     base, tokenizer = load_model("demo", dtype=torch.float32)
+    if args.degrid:
+        degrid(base)
     windows = wikitext_windows(tokenizer, args.windows, args.seq_len)
     requests = lambada_requests(tokenizer, args.docs)
     calib = token_samples(load_texts(args.calib, tokenizer), tokenizer, num_samples=args.calib_samples, seq_len=args.calib_len,
@@ -159,7 +163,7 @@ def main() -> None:
              "calib_tokens": calib.numel(), "calib_seed": args.calib_seed, "threads": torch.get_num_threads(), "propagate": args.propagate,
              # the CPU kernels' vector ISA: AVX2 and AVX-512 round float32 sums differently, which flips
              # calibration choices (docs/accuracy.md, footnote 13); ATEN_CPU_CAPABILITY selects it
-             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "degrid": args.degrid,
              **({"device": torch.cuda.get_device_name(args.device)} if args.device.startswith("cuda") else {})}
 
     def record(key: str, model, calib_s: float | None, recipe: str) -> None:
@@ -203,6 +207,24 @@ def main() -> None:
                 stack_fp8_scales_as_vllm(model)
             record(key, model, float(seconds.read_text()) if seconds.exists() else None, label)
     print(markdown(results))
+
+
+def degrid(model, seed: int = 0) -> None:
+    """Move every decoder-layer Linear weight off the GGUF grid the demo model was dequantized from.
+
+    Each 32-element block along K of a Q4_K / Q5_K / Q6_K tensor holds a few evenly spaced values
+    (``d·q − m``). Each weight gets uniform noise of ± half its block's step (the smallest gap
+    between the block's distinct values), the error the GGUF rounding made: the result is a
+    plausible continuous-valued model, on which recipes can be compared without the grid's help."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and ".layers." in name:
+                blocks = m.weight.view(-1, 32)
+                ordered = blocks.sort(-1).values
+                gaps = ordered[:, 1:] - ordered[:, :-1]
+                step = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True).nan_to_num(0.0, posinf=0.0)
+                blocks += (torch.rand(blocks.shape, generator=g) - 0.5) * step
 
 
 def stack_fp8_scales_as_vllm(model) -> None:
