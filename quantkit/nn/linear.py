@@ -9,10 +9,10 @@ from quantkit.formats import Format, QuantizedWeight, get_format
 from quantkit.kernels.epilogue import Epilogue
 
 
-
 def moved_only(fn, t: torch.Tensor) -> torch.Tensor:
     """``t`` on the device ``fn`` (a ``Module._apply`` function) moves tensors to, dtype kept."""
     return t.to(fn(torch.empty(0, device=t.device)).device)
+
 
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held as a :class:`QuantizedWeight` in buffers.

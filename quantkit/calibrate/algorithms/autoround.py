@@ -98,7 +98,7 @@ class AutoRound(Algorithm):
         try:
             for it in range(self.iters + 1):
                 step = it < self.iters  # else: the last pass, loss only
-                full = not (self.batches_per_step and step and it)
+                full = not self.batches_per_step or it == 0 or not step  # this pass takes every batch
                 batches = every if full else [cycle[(j + (it - 1) * self.batches_per_step) % len(cycle)]
                                               for j in range(self.batches_per_step)]
                 with torch.set_grad_enabled(step):
