@@ -15,6 +15,8 @@ from quantkit.calibrate import CalibrationError, Recipe, quantize
 from quantkit.calibrate.distributed import all_reduce_, all_reduce_sum, init_from_env, is_main, shard, world
 from quantkit.calibrate.observers import InputObserver
 from quantkit.export import save
+from quantkit.nn import calibrate_kv_cache, quantize_model
+from quantkit.nn.kv_cache import KVCacheScales
 
 WORLD = 2
 BATCH = 2
@@ -64,6 +66,19 @@ def calibrate_cases(out: Path) -> None:
             save(model.to(torch.bfloat16), out / case)
 
 
+def kv_cache_scales(ids: torch.Tensor) -> tuple[list[float], int]:
+    """The k and v scales, layer by layer, that :func:`calibrate_kv_cache` gives a W4A16 tiny Llama
+    on ``ids``, and the number of sequences this process ran through the model."""
+    model = tiny_llama()
+    quantize_model(model, "nvfp4-w4a16")
+    sequences = []
+    model.model.register_forward_pre_hook(lambda _, args, kwargs: sequences.append(len(kwargs["input_ids"])),
+                                          with_kwargs=True)
+    calibrate_kv_cache(model, ids, batch_size=BATCH)
+    scales = [t.item() for m in model.modules() if isinstance(m, KVCacheScales) for t in (m.k_scale, m.v_scale)]
+    return scales, sum(sequences)
+
+
 def check_reduced_stats(rank: int) -> None:
     """Each rank observes its own number of tokens; the reduced statistics are those of all of
     them (float64 reference)."""
@@ -92,6 +107,8 @@ def worker(rank: int, port: int, out: Path) -> None:
         assert maxed.tolist() == [WORLD - 1.0, 0.0] and all_reduce_sum(rank + 0.5) == sum(r + 0.5 for r in range(WORLD))
         check_reduced_stats(rank)
         calibrate_cases(out)
+        scales, sequences = kv_cache_scales(calib_ids())
+        (out / f"kv.rank{rank}").write_text(" ".join([str(sequences), *map(float.hex, scales)]))
     finally:
         dist.destroy_process_group()
 
@@ -128,6 +145,16 @@ def test_two_ranks_write_the_checkpoint_of_one_process(runs, case):
     assert ranks[0][0] == ranks[1][0] == one  # every rank holds the single-process model, bit for bit
     assert int(ranks[0][1]) * WORLD == int(ranks[1][1]) * WORLD == int(one_bytes)  # each rank saw half the batches
     assert files(parallel / case) == files(single / case)
+
+
+def test_two_ranks_add_the_kv_cache_scales_of_one_process(runs):
+    parallel, _ = runs
+    one, sequences = kv_cache_scales(calib_ids())
+    ranks = [(parallel / f"kv.rank{r}").read_text().split() for r in range(WORLD)]
+    assert [int(r[0]) * WORLD for r in ranks] == [sequences] * WORLD  # each rank ran half the batches
+    assert len(one) == 4 and [[float.fromhex(v) for v in r[1:]] for r in ranks] == [one] * WORLD
+    shards = [kv_cache_scales(torch.cat(calib_ids().split(BATCH)[r::WORLD]))[0] for r in range(WORLD)]
+    assert shards[0] != shards[1] and one == [max(s) for s in zip(*shards)]  # each rank's shard alone gives others
 
 
 def test_one_shard_alone_gives_other_scales():

@@ -165,12 +165,16 @@ def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: i
     token ids ``[samples, seq_len]``, on the model's device) through the whole model and set each
     attention module's scales to its largest key and value over 448. Unlike
     ``Recipe(kv_cache="fp8")`` the layers before an attention module keep their own cache in the
-    model dtype during this pass, and the whole model must fit the device."""
+    model dtype during this pass, and the whole model must fit the device. Under ``torchrun`` (an
+    initialized process group) each rank passes the same ``calib_data``, runs its share of the
+    batches, and every rank sets the largest values over all of them, as :func:`quantkit.quantize`."""
+    from quantkit.calibrate.distributed import all_reduce_, shard  # quantkit.calibrate imports this module
+
     modules = attention_modules(model)
     with observe(model, modules) as amax:
-        for batch in calib_data.split(batch_size):
+        for batch in shard(calib_data.split(batch_size)):
             model(input_ids=batch, use_cache=False)
-    enable_kv_cache(model, {name: scales_from_amax(amax[name]) for name in modules})
+    enable_kv_cache(model, {name: scales_from_amax([all_reduce_(a, "max") for a in amax[name]]) for name in modules})
 
 
 def scales_from_amax(amax: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
