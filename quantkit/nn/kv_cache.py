@@ -168,7 +168,8 @@ def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: i
     model dtype during this pass, and the whole model must fit the device. Under ``torchrun`` (an
     initialized process group) each rank passes the same ``calib_data``, runs its share of the
     batches, and every rank sets the largest values over all of them, as :func:`quantkit.quantize`."""
-    from quantkit.calibrate.distributed import all_reduce_, shard  # quantkit.calibrate imports this module
+    # imported here: quantkit.calibrate imports this module
+    from quantkit.calibrate.distributed import all_reduce_, shard
 
     modules = attention_modules(model)
     with observe(model, modules) as amax:
