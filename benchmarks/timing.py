@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 
-def graph_median_us(fns: list[Callable[[], object]], reps: int = 15) -> float:
+def graph_median_us(fns: list[Callable[[], object]], reps: int = 15, warm_s: float = 0.05) -> float:
     """Median µs per call of ``fns`` (each called once per replay, e.g. one per rotated input copy),
-    from ``reps`` CUDA-graph replays timed with events after a warm-up pass on a side stream."""
+    from ``reps`` CUDA-graph replays timed with events after a warm-up pass on a side stream and
+    ``warm_s`` seconds of untimed replays: the GPU's clock drops while the host compiles a kernel
+    in the warm-up pass, and a few replays alone would time the first contender on a slow clock."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up off the capture stream: compile, allocate workspaces
@@ -21,8 +24,12 @@ def graph_median_us(fns: list[Callable[[], object]], reps: int = 15) -> float:
     with torch.cuda.graph(graph):
         for f in fns:
             f()
-    graph.replay()
-    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while True:
+        graph.replay()
+        torch.cuda.synchronize()
+        if time.perf_counter() - start >= warm_s:
+            break
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
