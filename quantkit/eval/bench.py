@@ -138,12 +138,21 @@ def random_init_model(
 _L2_FLUSH_BYTES = 256 * 2**20  # more than any current GPU's L2 (H200: 60 MB)
 
 
-def time_call(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device) -> float:
-    """Median seconds of one ``fn()`` call over ``iters`` timed calls after ``warmup`` untimed ones.
-    On CUDA each timed call starts with a cold L2 (a 256 MiB buffer is zeroed before it), so
-    small quantized weights are not timed from cache; host launch overhead is included."""
+def time_call(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device,
+              warm_s: float = 0.0) -> float:
+    """Median seconds of one ``fn()`` call over ``iters`` timed calls after ``warmup`` untimed ones
+    and, on CUDA, ``warm_s`` seconds of further untimed ones (µs-scale calls: the GPU's clock is
+    still low after the host compiled or prepared something). On CUDA each timed call starts with
+    a cold L2 (a 256 MiB buffer is zeroed before it), so small quantized weights are not timed from
+    cache; host launch overhead is included."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda" and warm_s > 0:
+        torch.cuda.synchronize(device)
+        start_s = time.perf_counter()
+        while time.perf_counter() - start_s < warm_s:
+            fn()
+            torch.cuda.synchronize(device)
     times: list[float] = []
     if device.type == "cuda":
         flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device)
@@ -285,7 +294,7 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmRes
                     call, graph = capture_graph(call, settings.warmup).replay, True
                 except RuntimeError:
                     pass
-            seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device)
+            seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device, warm_s=0.05)
             results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12, graph))
     return results
 
