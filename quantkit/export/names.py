@@ -48,10 +48,14 @@ def _fused_placeholders(prefix: str, experts: LinearExperts, ids: list[str]) -> 
 
 
 def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' ``save_pretrained`` renaming of ``state`` for ``model`` (its default mapping, not
-    the one recorded by ``from_pretrained``, so that save and load agree); ``state`` if none applies."""
+    """transformers' ``save_pretrained`` renaming of ``state`` for ``model``, as if the model had been
+    loaded from its hub checkpoint: the class's whole default mapping, including the prefix changes
+    that ``save_pretrained`` drops for a model built from a config (SigLIP towers lose
+    ``vision_model.`` on load), and never the mapping recorded by ``from_pretrained``, so that save
+    and load (which builds the model from its config) agree. ``state`` if none applies."""
     try:
         from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return state
@@ -59,8 +63,10 @@ def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
         return state
     recorded = model.__dict__.pop("_weight_conversions", None)
     try:
+        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False) or None
         return revert_weight_conversion(model, state)
     finally:
+        model.__dict__.pop("_weight_conversions", None)
         if recorded is not None:
             model._weight_conversions = recorded
 

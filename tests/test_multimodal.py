@@ -1,0 +1,119 @@
+"""Multimodal models: only the language model is quantized. The default ignore patterns leave the
+vision tower in high precision (the calibration pipeline runs only the decoder layers, and
+llm-compressor's and ModelOpt's multimodal recipes do the same); the checkpoint round-trips, image
+inputs included, and vLLM loads it under the hub checkpoint's names and serves its layers."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    SiglipVisionConfig,
+)
+
+import quantkit
+from quantkit.nn import QuantLinear
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import vllm_env
+
+BOI, EOI, IMAGE = 509, 510, 511
+TEXT = torch.randint(0, 500, (4, 24), generator=torch.Generator().manual_seed(1))
+PROMPT = torch.tensor([[2, 7, BOI, IMAGE, IMAGE, IMAGE, IMAGE, EOI, 40, 41, 42]])
+PIXELS = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+
+def tiny_gemma3_vlm() -> Gemma3ForConditionalGeneration:
+    """Gemma 3 with a SigLIP vision tower (K = 32 and 64: quantizable by size), bf16."""
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                            sliding_window=16)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                          boi_token_index=BOI, eoi_token_index=EOI)
+    return Gemma3ForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+
+
+def linears(model, kind=torch.nn.Linear) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, kind)}
+
+
+def test_only_the_language_model_is_quantized():
+    model = tiny_gemma3_vlm()
+    vision = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("model.vision_tower.")}
+    text_linears = {n for n in linears(model) if n.startswith("model.language_model.")}
+    vision_linears = {n for n in linears(model) if n.startswith("model.vision_tower.")}
+    assert len(text_linears) == 14 and len(vision_linears) == 9
+    report = quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
+    assert linears(model, QuantLinear) == text_linears
+    assert {r.name: r.reason for r in report.layers if r.name in vision_linears} == \
+           dict.fromkeys(vision_linears, "ignored by pattern")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in vision.items())
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])
+def test_checkpoint_round_trips_with_images(export, tmp_path):
+    model = tiny_gemma3_vlm()
+    quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
+    quantkit.save(model, tmp_path, export=export)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # the names of Gemma 3's hub checkpoints (google/gemma-3-4b-it), which vLLM loads
+    assert "vision_tower.vision_model.encoder.layers.0.mlp.fc1" in config["quantization_config"]["ignore"]
+    names = safe_open(tmp_path / "model.safetensors", "pt").keys()
+    assert {"vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+            "language_model.model.layers.0.mlp.down_proj.weight_scale"} <= set(names)
+    loaded = quantkit.load(tmp_path)
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(theirs[k], v) for k, v in ours.items())
+    assert linears(loaded, QuantLinear) == linears(model, QuantLinear)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=PROMPT, pixel_values=PIXELS).logits,
+                           model(input_ids=PROMPT, pixel_values=PIXELS).logits)
+        assert torch.equal(loaded(input_ids=TEXT[:1]).logits, model(input_ids=TEXT[:1]).logits)
+
+
+def test_vllm_loads_the_checkpoint_and_serves_its_quantized_layers(tmp_path):
+    try:  # a test dependency, fetched from PyPI on first use: without it the test fails
+        vllm_src = vllm_env.ensure()
+    except RuntimeError as e:
+        pytest.fail(f"vLLM sources unavailable: {e}")
+    model = tiny_gemma3_vlm()
+    quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
+    quantkit.save(model, tmp_path / "ckpt")
+    down = "language_model.model.layers.0.mlp.down_proj"
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    save_file({down: x}, tmp_path / "inputs")
+    fc1 = "vision_tower.vision_model.encoder.layers.0.mlp.fc1"
+    job = {"checkpoint": str(tmp_path / "ckpt"), "inputs": str(tmp_path / "inputs"), "outputs": str(tmp_path / "out"),
+           "dump": [fc1]}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    path = os.pathsep.join([str(vllm_src), str(HERE / "vllm_stub"), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(tmp_path / "jobs.json")],
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=900, check=False)
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 1, done.stderr[-3000:]
+    result = results[0]
+    assert "refused" not in result, result["refused"]
+    schemes = result["schemes"]
+    assert {n: s for n, s in schemes.items() if n.startswith("vision_tower.")} == dict.fromkeys(
+        [f"vision_tower.vision_model.encoder.layers.0.{m}" for m in ("self_attn.qkv_proj", "self_attn.out_proj",
+                                                                     "mlp.fc1", "mlp.fc2")], "UnquantizedLinearMethod")
+    assert schemes[down] == "CompressedTensorsW4A4Fp4" and not result["errors"]
+    assert all(".attn." in p for p in result["unloaded"])  # only the attention's KV-cache scales: none saved
+    out = load_file(tmp_path / "out")
+    assert torch.equal(out[f"{fc1}:weight"].to(torch.bfloat16), model.get_submodule(f"model.{fc1.replace('.vision_model', '')}").weight)
+    with torch.no_grad():
+        ours = model.get_submodule(f"model.{down.replace('.model.', '.', 1)}")(x)
+    torch.testing.assert_close(out[down], ours, rtol=0, atol=float(ours.abs().max()) * 2**-7)  # bf16 rounding of vLLM's matmul
