@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -78,6 +79,18 @@ def saved(fmt: str, export: str, root: Path) -> Path:
 
 def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_get_the_umask_permissions(umask, tmp_path):
+    # safetensors writes owner-only files; a server run as another user must read the weights
+    previous = os.umask(umask)
+    try:
+        out = saved("nvfp4", "compressed-tensors", tmp_path)
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}
 
 
 ROUND_TRIPS = [(f, "compressed-tensors") for f in FORMAT_NAMES] + [(f, "modelopt") for f in MODELOPT_FORMATS]

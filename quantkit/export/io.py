@@ -35,7 +35,9 @@ class CheckpointError(ValueError):
 def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``out_dir``; on a clean exit move it to ``out_dir``.
 
-    Every file written into it is fsynced before the rename. An existing ``out_dir`` is replaced
+    Every file written into it gets the permissions a new file gets under the process umask
+    (safetensors writes its files owner-only, which would hide the weights from, say, a vLLM server
+    run as another user) and is fsynced before the rename. An existing ``out_dir`` is replaced
     only if it is empty or holds a quantized checkpoint (``quantization_config`` in its
     ``config.json``); anything else (say, the bf16 model being quantized) raises
     ``FileExistsError`` rather than deleting it. On an exception the temporary directory is
@@ -49,8 +51,10 @@ def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        mode = 0o666 & ~_umask()
         for path in tmp.rglob("*"):
             if path.is_file():
+                path.chmod(mode)
                 _fsync(path)
         _fsync(tmp)
         _move_into_place(tmp, out)
@@ -68,6 +72,13 @@ def _replaceable(out: Path) -> bool:
         return "quantization_config" in read_json(out / CONFIG)
     except CheckpointError:
         return False
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
