@@ -66,7 +66,7 @@ def test_layer0_linears_are_the_models_gemm_shapes():
     }
 
 
-def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
+def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     bench_command(
         target="nvfp4",
@@ -100,6 +100,13 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path):
     assert "| batch | seq | bf16 tok/s | nvfp4 tok/s | nvfp4 × |" in markdown
     assert "| mlp.down_proj | 256 | 512 | 8 |" in markdown
     assert (tmp_path / "bench_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("bf16: ", "nvfp4: "))]
+    for name, model in zip(("nvfp4", "bf16"), report["models"][::-1]):  # measured in this order, each as it finished
+        tokens = [f"{r['tokens_per_s']:,.0f}" for r in model["prefill"]]
+        assert [line for line in progress if line.startswith(name)][:3] == [
+            f"{name}: prefill 1x32: {tokens[0]} tokens/s", f"{name}: prefill 2x16: {tokens[1]} tokens/s",
+            f"{name}: decode batch 1: {model['decode'][0]['tokens_per_s']:,.1f} tokens/s"]
+    assert len(progress) == 2 * (2 + 2 + 8)  # prefill shapes, decode batches, linears
 
 
 def test_bench_tables_leave_out_what_the_run_did_not_measure():

@@ -1,12 +1,14 @@
 """Reports: recovery and deltas, Markdown / JSON / PNG output, and ``quantkit eval`` end to end."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import types
 
 import pytest
 import torch
+import typer
 from test_eval_fixtures import LAMBADA_TEXTS, lambada_reference, tiny_llama, tiny_tokenizer, write_data_dir
 
 pytest.importorskip("lm_eval")
@@ -49,6 +51,23 @@ def test_write_eval_report_files(tmp_path):
     assert "| lambada_openai | acc ↑ | nvfp4 | 0.57 ± 0.01 | 0.6 ± 0.01 | -0.03 | 95.00 |" in markdown
     assert "| lambada_openai | perplexity ↓ | nvfp4 | 11 ± 0.6 | 10 ± 0.5 | +1 | 90.91 |" in markdown
     assert (tmp_path / "eval_recovery.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_without_matplotlib_writes_the_rest_and_says_why(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.warns(UserWarning, match=r"matplotlib is not installed, so no eval_recovery.png: pip install 'quantkit\[eval\]'"):
+        paths = write_eval_report(tmp_path, [QUANT], BASE, [], {"target": "x"})
+    assert [p.name for p in paths] == ["eval.json", "eval.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "eval.md"]
+
+
+def test_eval_without_lm_eval_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "quantkit.eval.accuracy", None)  # as if lm-eval were not installed
+    with pytest.raises(typer.Exit) as exit_info:
+        eval_command(target="demo", tasks="lambada_openai", device="cpu", out=tmp_path)
+    assert exit_info.value.exit_code == 2
+    assert "quantkit eval needs lm-eval" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 @pytest.fixture()

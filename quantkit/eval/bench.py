@@ -135,6 +135,13 @@ def random_init_model(
     return model.eval()
 
 
+Log = Callable[[str], None]
+
+
+def _silent(line: str) -> None:
+    """The default ``log``: progress lines go nowhere."""
+
+
 _L2_FLUSH_BYTES = 256 * 2**20  # more than any current GPU's L2 (H200: 60 MB)
 
 
@@ -178,9 +185,10 @@ def _random_tokens(model: PreTrainedModel, batch: int, seq: int) -> torch.Tensor
 
 
 @torch.inference_mode()
-def bench_prefill(model: PreTrainedModel, settings: BenchSettings) -> list[PrefillResult]:
+def bench_prefill(model: PreTrainedModel, settings: BenchSettings, log: Log = _silent) -> list[PrefillResult]:
     """Prefill throughput at each of ``settings.prefill_shapes`` (through ``torch.compile`` with
-    ``settings.compile``: one compiled model for all shapes, recompiled once with dynamic shapes)."""
+    ``settings.compile``: one compiled model for all shapes, recompiled once with dynamic shapes);
+    ``log`` gets one line per measurement."""
     device = model_device(model)
     forward = torch.compile(model, backend=settings.compile) if settings.compile else model
     results = []
@@ -193,6 +201,7 @@ def bench_prefill(model: PreTrainedModel, settings: BenchSettings) -> list[Prefi
             device=device,
         )
         results.append(PrefillResult(batch, seq, seconds, batch * seq / seconds))
+        log(f"prefill {batch}x{seq}: {results[-1].tokens_per_s:,.0f} tokens/s")
     return results
 
 
@@ -242,8 +251,8 @@ def greedy_decoder(
 
 
 @torch.inference_mode()
-def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[DecodeResult]:
-    """Decode throughput at each of ``settings.decode_batches``."""
+def bench_decode(model: PreTrainedModel, settings: BenchSettings, log: Log = _silent) -> list[DecodeResult]:
+    """Decode throughput at each of ``settings.decode_batches``; ``log`` gets one line per measurement."""
     device = model_device(model)
     results = []
     for batch in settings.decode_batches:
@@ -261,6 +270,7 @@ def bench_decode(model: PreTrainedModel, settings: BenchSettings) -> list[Decode
         steps = settings.decode_steps
         seconds = time_call(lambda: [run() for _ in range(steps)], warmup=0, iters=1, device=device) / steps
         results.append(DecodeResult(batch, settings.context, seconds, batch / seconds, graph, note))
+        log(f"decode batch {batch}: {results[-1].tokens_per_s:,.1f} tokens/s")
     return results
 
 
@@ -279,9 +289,10 @@ def layer0_linears(model: PreTrainedModel) -> dict[str, torch.nn.Module]:
 
 
 @torch.inference_mode()
-def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmResult]:
+def bench_gemms(model: PreTrainedModel, settings: BenchSettings, log: Log = _silent) -> list[GemmResult]:
     """Time each of :func:`layer0_linears` on ``[M, K]`` bf16 inputs for M in ``settings.gemm_m``
-    (CUDA-graph replays on CUDA with ``settings.cuda_graphs``, else eager calls)."""
+    (CUDA-graph replays on CUDA with ``settings.cuda_graphs``, else eager calls); ``log`` gets one
+    line per layer."""
     device = model_device(model)
     results = []
     for name, module in layer0_linears(model).items():
@@ -296,17 +307,19 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings) -> list[GemmRes
                     pass
             seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device, warm_s=0.05)
             results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12, graph))
+        log(f"GEMMs of {name} ({n}x{k}) timed")
     return results
 
 
-def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings) -> ModelBench:
+def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings, log: Log = _silent) -> ModelBench:
     """Prefill, decode and GEMM measurements of ``model``, reported under ``name`` (with
-    ``settings.fuse``, of the model after :func:`quantkit.fuse_projections`)."""
+    ``settings.fuse``, of the model after :func:`quantkit.fuse_projections`); ``log`` gets a line
+    per measurement as it finishes."""
     if settings.fuse:
         fuse_projections(model)
     return ModelBench(
         model=name,
-        prefill=bench_prefill(model, settings),
-        decode=bench_decode(model, settings),
-        gemms=bench_gemms(model, settings),
+        prefill=bench_prefill(model, settings, log),
+        decode=bench_decode(model, settings, log),
+        gemms=bench_gemms(model, settings, log),
     )

@@ -7,8 +7,10 @@ better (accuracy), ``100 * baseline / value`` where lower is better (perplexity)
 """
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +200,16 @@ def print_tables(tables: dict[str, TableData], console: Console | None = None) -
         console.print(table)
 
 
+def _plotted(draw: Callable[[Any, Path], None], data: Any, path: Path) -> bool:
+    """``draw(data, path)`` and True; where matplotlib is not installed, a warning and False (the
+    report's other files are written all the same)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        warnings.warn(f"matplotlib is not installed, so no {path.name}: pip install 'quantkit[eval]'", stacklevel=3)
+        return False
+    draw(data, path)
+    return True
+
+
 def _plot_recovery(rows: Sequence[ComparisonRow], path: Path) -> None:
     """Bar chart of recovery % per task metric, one bar per model, with a line at 100 %."""
     import matplotlib
@@ -272,9 +284,8 @@ def write_eval_report(
     paths = [out_dir / "eval.json", out_dir / "eval.md"]
     paths[0].write_text(json.dumps(document, indent=2) + "\n")
     paths[1].write_text(to_markdown("quantkit eval", tables, meta))
-    if any(r.recovery is not None for r in rows):
+    if any(r.recovery is not None for r in rows) and _plotted(_plot_recovery, rows, out_dir / "eval_recovery.png"):
         paths.append(out_dir / "eval_recovery.png")
-        _plot_recovery(rows, paths[-1])
     print_tables(tables)
     return paths
 
@@ -288,9 +299,10 @@ def write_bench_report(
     everything = ([baseline] if baseline else []) + list(benches)
     tables = bench_tables(everything, baseline)
     document = {"meta": meta, "baseline": baseline.model if baseline else None, "models": [asdict(b) for b in everything]}
-    paths = [out_dir / "bench.json", out_dir / "bench.md", out_dir / "bench_throughput.png"]
+    paths = [out_dir / "bench.json", out_dir / "bench.md"]
     paths[0].write_text(json.dumps(document, indent=2) + "\n")
     paths[1].write_text(to_markdown("quantkit bench", tables, meta))
-    _plot_throughput(everything, paths[2])
+    if _plotted(_plot_throughput, everything, out_dir / "bench_throughput.png"):
+        paths.append(out_dir / "bench_throughput.png")
     print_tables(tables)
     return paths
