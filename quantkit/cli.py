@@ -63,7 +63,7 @@ def quantize(
     calib: Annotated[Optional[str], typer.Option(help="Calibration data: a .txt/.jsonl/.parquet file or directory, a hub dataset id (name[:config]); default: the embedded corpus.")] = None,
     samples: Annotated[Optional[int], typer.Option(help="Number of calibration sequences (default: 128 on a GPU, 16 on CPU).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
-    algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
+    algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn or max, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
     options: Annotated[Optional[str], typer.Option(help='Algorithm parameters as JSON, e.g. \'{"autoround": {"iters": 200}, "gptq": {"act_order": true}}\'.')] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
