@@ -13,10 +13,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
+    CLIPVisionConfig,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     SiglipVisionConfig,
+)
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLVisionConfig,
 )
 
 import quantkit
@@ -45,6 +55,29 @@ def tiny_gemma3_vlm() -> Gemma3ForConditionalGeneration:
     return Gemma3ForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
 
 
+def tiny_qwen25_vl() -> Qwen2_5_VLForConditionalGeneration:
+    """Qwen2.5-VL: vision blocks and patch merger under ``model.visual``."""
+    text = Qwen2_5_VLTextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
+    vision = Qwen2_5_VLVisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                                    fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=EOI,
+                              vision_start_token_id=BOI, bos_token_id=1, eos_token_id=2)
+    return Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+
+
+def tiny_llava() -> LlavaForConditionalGeneration:
+    """LLaVA: a CLIP tower and a two-Linear ``multi_modal_projector``."""
+    text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=32, patch_size=8)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE)
+    return LlavaForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+
+
 def linears(model, kind=torch.nn.Linear) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, kind)}
 
@@ -60,6 +93,17 @@ def test_only_the_language_model_is_quantized():
     assert {r.name: r.reason for r in report.layers if r.name in vision_linears} == \
            dict.fromkeys(vision_linears, "ignored by pattern")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in vision.items())
+
+
+@pytest.mark.parametrize("build", [tiny_qwen25_vl, tiny_llava])
+def test_other_multimodal_layouts_keep_their_towers(build):
+    torch.manual_seed(0)
+    model = build()
+    text_linears = {n for n in linears(model) if n.startswith("model.language_model.")}
+    others = linears(model) - text_linears - {"lm_head"}
+    assert len(text_linears) == 14 and len(others) >= 2
+    quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
+    assert linears(model, QuantLinear) == text_linears and linears(model) - linears(model, QuantLinear) >= others
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])
