@@ -54,12 +54,25 @@ def is_quantkit_checkpoint(path: Path) -> bool:
     return config.is_file() and "quantization_config" in json.loads(config.read_text())
 
 
+def _from_pretrained(source: str, dtype: torch.dtype):
+    """``AutoModelForCausalLM.from_pretrained``, or ``AutoModelForImageTextToText`` for the multimodal
+    models the former does not map (LLaVA, Qwen-VL; it does map Gemma 3's)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
+
+
 def load_model(source: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
     """``(model, tokenizer)`` for ``source``: ``"demo"``, a local HF or quantized directory, or a hub id.
 
     Quantized checkpoints come back with :class:`quantkit.nn.QuantLinear` layers. Raises
     :class:`ModelLoadError` with the reason when the model cannot be loaded (e.g. a hub id offline)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = demo_dir() if source == DEMO else Path(source)
     if path.is_dir() and is_quantkit_checkpoint(path):
@@ -70,7 +83,7 @@ def load_model(source: str, *, device: str = "cpu", dtype: torch.dtype = torch.b
         if not path.exists() and (source.startswith((".", "/")) or os.sep in source and source.count("/") > 1):
             raise ModelLoadError(f"model directory {source} does not exist")
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else source, dtype=dtype).to(device)
+            model = _from_pretrained(str(path) if path.exists() else source, dtype).to(device)
         except OSError as err:
             raise ModelLoadError(f"cannot load model {source!r}: not a local directory, and the hub gave: "
                                  f"{str(err).splitlines()[0]}") from None

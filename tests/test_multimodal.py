@@ -28,13 +28,16 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLVisionConfig,
 )
+from typer.testing import CliRunner
 
 import quantkit
+from quantkit.cli import app
 from quantkit.nn import QuantLinear
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import vllm_env
+from test_eval_fixtures import tiny_tokenizer
 
 BOI, EOI, IMAGE = 509, 510, 511
 TEXT = torch.randint(0, 500, (4, 24), generator=torch.Generator().manual_seed(1))
@@ -161,3 +164,18 @@ def test_vllm_loads_the_checkpoint_and_serves_its_quantized_layers(tmp_path):
     with torch.no_grad():
         ours = model.get_submodule(f"model.{down.replace('.model.', '.', 1)}")(x)
     torch.testing.assert_close(out[down], ours, rtol=0, atol=float(ours.abs().max()) * 2**-7)  # bf16 rounding of vLLM's matmul
+
+
+@pytest.mark.parametrize("build", [tiny_llava, tiny_gemma3_vlm])
+def test_cli_quantizes_a_multimodal_model_directory(build, tmp_path, monkeypatch):
+    # LLaVA is no AutoModelForCausalLM: the CLI loads it as an image-text-to-text model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = build()
+    model.save_pretrained(tmp_path / "src")
+    tiny_tokenizer().save_pretrained(tmp_path / "src")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "src"), "--out", str(tmp_path / "q"), "--format",
+                                   "nvfp4-w4a16", "--samples", "4", "--seq-len", "16", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    loaded = quantkit.load(tmp_path / "q")
+    assert type(loaded) is type(model)
+    assert linears(loaded, QuantLinear) == {n for n in linears(model) if n.startswith("model.language_model.")}
