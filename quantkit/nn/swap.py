@@ -14,12 +14,11 @@ from quantkit.formats import QuantizedWeight, get_format
 from quantkit.nn.experts import is_fused_experts, linearize_experts, router_names, unsupported_reason
 from quantkit.nn.linear import QuantLinear
 
-# Routers stay in high precision: vLLM builds MoE routers and Qwen2-MoE's shared-expert gate
-# (N=1) as unquantized layers.
-# lm_head, MoE routers, and the vision / audio encoders and projectors of multimodal models
-# (Gemma 3, LLaVA, Llama 4: vision_tower, multi_modal_projector; Mllama: vision_model; Qwen-VL:
-# visual; Gemma 3n: embed_vision, embed_audio, audio_tower), which the calibration pipeline does
-# not run and which llm-compressor's and ModelOpt's multimodal recipes leave in high precision.
+# Left in high precision: lm_head; MoE routers and Qwen2-MoE's shared-expert gate (N=1), which
+# vLLM builds as unquantized layers; and the vision / audio encoders and projectors of multimodal
+# models (Gemma 3, LLaVA, Llama 4: vision_tower, multi_modal_projector; Mllama: vision_model;
+# Qwen-VL: visual; Gemma 3n: embed_vision, embed_audio, audio_tower), which the calibration
+# pipeline does not run and which llm-compressor's and ModelOpt's multimodal recipes keep too.
 DEFAULT_IGNORE = ("lm_head", "*.lm_head", "*mlp.gate", "*router*", "*shared_expert_gate",
                   "*vision_tower*", "*vision_model*", "*visual.*", "*multi_modal_projector*", "*audio_tower*",
                   "*embed_vision*", "*embed_audio*")
