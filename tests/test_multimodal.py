@@ -131,20 +131,34 @@ def test_checkpoint_round_trips_with_images(export, tmp_path):
         assert torch.equal(loaded(input_ids=TEXT[:1]).logits, model(input_ids=TEXT[:1]).logits)
 
 
-def test_vllm_loads_the_checkpoint_and_serves_its_quantized_layers(tmp_path):
+# (model, vLLM's vision modules as vLLM names them, one of them to compare with quantkit's module)
+VLLM_CASES = {
+    "gemma3": (tiny_gemma3_vlm, [f"vision_tower.vision_model.encoder.layers.0.{m}" for m in
+                                 ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")],
+               ("vision_tower.vision_model.encoder.layers.0.mlp.fc1", "model.vision_tower.encoder.layers.0.mlp.fc1")),
+    "qwen2.5-vl": (tiny_qwen25_vl, [f"visual.{m}" for m in ("blocks.0.attn.qkv", "blocks.0.attn.proj",
+                                                            "blocks.0.mlp.gate_up_proj", "blocks.0.mlp.down_proj",
+                                                            "merger.mlp.0", "merger.mlp.2")],
+                   ("visual.merger.mlp.0", "model.visual.merger.mlp.0")),
+}
+
+
+@pytest.mark.parametrize("case", VLLM_CASES)
+def test_vllm_loads_the_checkpoint_and_serves_its_quantized_layers(case, tmp_path):
+    # (LLaVA is left out: vLLM's LLaVA module imports mistral_common, which the tests do not install)
     try:  # a test dependency, fetched from PyPI on first use: without it the test fails
         vllm_src = vllm_env.ensure()
     except RuntimeError as e:
         pytest.fail(f"vLLM sources unavailable: {e}")
-    model = tiny_gemma3_vlm()
+    build, vision, (dumped, ours_name) = VLLM_CASES[case]
+    model = build()
     quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
     quantkit.save(model, tmp_path / "ckpt")
     down = "language_model.model.layers.0.mlp.down_proj"
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     save_file({down: x}, tmp_path / "inputs")
-    fc1 = "vision_tower.vision_model.encoder.layers.0.mlp.fc1"
     job = {"checkpoint": str(tmp_path / "ckpt"), "inputs": str(tmp_path / "inputs"), "outputs": str(tmp_path / "out"),
-           "dump": [fc1]}
+           "dump": [dumped]}
     (tmp_path / "jobs.json").write_text(json.dumps([job]))
     path = os.pathsep.join([str(vllm_src), str(HERE / "vllm_stub"), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(tmp_path / "jobs.json")],
@@ -154,15 +168,14 @@ def test_vllm_loads_the_checkpoint_and_serves_its_quantized_layers(tmp_path):
     result = results[0]
     assert "refused" not in result, result["refused"]
     schemes = result["schemes"]
-    assert {n: s for n, s in schemes.items() if n.startswith("vision_tower.")} == dict.fromkeys(
-        [f"vision_tower.vision_model.encoder.layers.0.{m}" for m in ("self_attn.qkv_proj", "self_attn.out_proj",
-                                                                     "mlp.fc1", "mlp.fc2")], "UnquantizedLinearMethod")
+    assert {n: s for n, s in schemes.items() if n.startswith(("vision_tower.", "visual."))} == dict.fromkeys(
+        vision, "UnquantizedLinearMethod")
     assert schemes[down] == "CompressedTensorsW4A4Fp4" and not result["errors"]
     assert all(".attn." in p for p in result["unloaded"])  # only the attention's KV-cache scales: none saved
     out = load_file(tmp_path / "out")
-    assert torch.equal(out[f"{fc1}:weight"].to(torch.bfloat16), model.get_submodule(f"model.{fc1.replace('.vision_model', '')}").weight)
+    assert torch.equal(out[f"{dumped}:weight"].to(torch.bfloat16), model.get_submodule(ours_name).weight)
     with torch.no_grad():
-        ours = model.get_submodule(f"model.{down.replace('.model.', '.', 1)}")(x)
+        ours = model.get_submodule("model.language_model.layers.0.mlp.down_proj")(x)
     torch.testing.assert_close(out[down], ours, rtol=0, atol=float(ours.abs().max()) * 2**-7)  # bf16 rounding of vLLM's matmul
 
 
