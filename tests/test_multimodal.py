@@ -20,6 +20,10 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    MllamaConfig,
+    MllamaForConditionalGeneration,
+    MllamaTextConfig,
+    MllamaVisionConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     SiglipVisionConfig,
@@ -81,6 +85,19 @@ def tiny_llava() -> LlavaForConditionalGeneration:
     return LlavaForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
 
 
+def tiny_mllama() -> MllamaForConditionalGeneration:
+    """Mllama (Llama 3.2 Vision): decoder layer 1 is a cross-attention layer, which the model
+    skips on text-only input."""
+    text = MllamaTextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                            max_position_embeddings=128, pad_token_id=0)
+    vision = MllamaVisionConfig(hidden_size=32, intermediate_layers_indices=[0], num_hidden_layers=2, num_global_layers=1,
+                                attention_heads=2, image_size=32, patch_size=8, vision_output_dim=64,
+                                intermediate_size=64)
+    config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE)
+    return MllamaForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+
+
 def linears(model, kind=torch.nn.Linear) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, kind)}
 
@@ -107,6 +124,21 @@ def test_other_multimodal_layouts_keep_their_towers(build):
     assert len(text_linears) == 14 and len(others) >= 2
     quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
     assert linears(model, QuantLinear) == text_linears and linears(model) - linears(model, QuantLinear) >= others
+
+
+def test_layers_the_model_skips_on_text_stay_unquantized(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_mllama()
+    cross = {n for n in linears(model) if n.startswith("model.language_model.layers.1.")}
+    text_linears = {n for n in linears(model) if n.startswith("model.language_model.")}
+    assert len(cross) == 7 and len(text_linears) == 21
+    report = quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
+    assert linears(model, QuantLinear) == text_linears - cross
+    assert {r.name: r.reason for r in report.layers if r.name in cross} == \
+           dict.fromkeys(cross, "its decoder layer does not run on the calibration data")
+    quantkit.save(model, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(quantkit.load(tmp_path)(input_ids=TEXT[:1]).logits, model(input_ids=TEXT[:1]).logits)
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])

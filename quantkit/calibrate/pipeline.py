@@ -2,7 +2,10 @@
 
 1. One cheap pass records, for every decoder layer, the keyword arguments the model gives it
    (masks, rotary embeddings: they differ between layer types) and the hidden states entering
-   layer 0. Layers are replaced by identities for that pass, so no layer runs.
+   layer 0. Layers are replaced by identities for that pass, so no layer runs. A layer the model
+   does not call on the calibration data (Mllama's cross-attention layers on text) passes the
+   hidden states on unchanged, as in the model, and its Linears stay unquantized: nothing
+   calibrates them.
 2. For each decoder layer in turn: move it to the device, run the calibration hidden states
    through it with observers on its Linear inputs, run the recipe's algorithms, swap its Linears
    for QuantLinears, compute its outputs (the next layer's inputs), and move it back. With an FP8
@@ -41,7 +44,8 @@ from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
 from quantkit.nn.experts import calibrating_all_experts, linearize_experts, shared_input_groups
 from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, observe, scales_from_amax
-from quantkit.nn.swap import QuantizationReport, fused_groups, plan_layers, quantize_model, shared_weight_amax
+from quantkit.nn.swap import (LayerResult, QuantizationReport, fused_groups, plan_layers, quantize_model,
+                              shared_weight_amax)
 
 
 class CalibrationError(RuntimeError):
@@ -105,15 +109,15 @@ class _LastLayerReached(Exception):
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]):
     """Run ``model`` with every layer replaced by an identity, up to the last layer; return, per
-    batch, the hidden states entering layer 0 and, per layer, the keyword arguments it was called
-    with."""
-    records: list[tuple[torch.Tensor, list[dict]]] = []
+    batch, the hidden states entering the first layer it calls and, by layer index, the keyword
+    arguments each layer it calls was called with."""
+    records: list[tuple[torch.Tensor, dict[int, dict]]] = []
 
     def recorder(i: int) -> Callable:
         def forward(hidden_states, *args, **kwargs):
-            if i == 0:
-                records.append((hidden_states, []))
-            records[-1][1].append(kwargs)
+            if not records[-1][1]:
+                records[-1] = (hidden_states, {})
+            records[-1][1][i] = kwargs
             if i == len(layers) - 1:
                 raise _LastLayerReached
             return hidden_states
@@ -123,6 +127,7 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[
         layer.forward = recorder(i)
     try:
         for ids in batches:
+            records.append((None, {}))
             try:
                 model(input_ids=ids, use_cache=False)
             except _LastLayerReached:
@@ -194,9 +199,19 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     needs_hessian = any(a.needs_hessian for a in algos)
     kv_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, layer in enumerate(layers):
-        layer.to(device)
         scope = f"{prefix}.{i}."
         linears = {n: m for n, m in planned.items() if n.startswith(scope)}
+        called = sum(i in kwargs for _, kwargs in records)
+        if called < len(records):
+            if called:
+                raise CalibrationError(f"decoder layer {i} ran on {called} of {len(records)} calibration batches: "
+                                       "its inputs cannot be calibrated layer by layer")
+            report.layers.extend(LayerResult(n, tuple(m.weight.shape), "its decoder layer does not run on the "
+                                             "calibration data") for n, m in linears.items())
+            if progress:
+                progress(i + 1, len(layers))
+            continue
+        layer.to(device)
 
         def run_block(batches: list[int] | None = None, layer=layer, i=i, states=None) -> list[torch.Tensor]:
             states = hidden if states is None else states
