@@ -64,7 +64,10 @@ def _from_pretrained(source: str, dtype: torch.dtype):
     except ValueError as err:
         if "Unrecognized configuration class" not in str(err):
             raise
-        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
+        try:
+            return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
+        except ValueError:
+            raise err from None  # neither: the causal-LM error names what is supported
 
 
 def load_model(source: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):

@@ -63,7 +63,8 @@ def test_report_without_matplotlib_writes_the_rest_and_says_why(tmp_path, monkey
 
 
 def test_eval_without_lm_eval_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "quantkit.eval.accuracy", None)  # as if lm-eval were not installed
+    find_spec = importlib.util.find_spec  # as if lm-eval were not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
     with pytest.raises(typer.Exit) as exit_info:
         eval_command(target="demo", tasks="lambada_openai", device="cpu", out=tmp_path)
     assert exit_info.value.exit_code == 2

@@ -35,8 +35,10 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
 from typer.testing import CliRunner
 
 import quantkit
+from quantkit.calibrate import CalibrationError
 from quantkit.cli import app
-from quantkit.nn import QuantLinear
+from quantkit.nn import QuantLinear, calibrate_kv_cache
+from quantkit.nn.kv_cache import kv_scales
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -85,11 +87,11 @@ def tiny_llava() -> LlavaForConditionalGeneration:
     return LlavaForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
 
 
-def tiny_mllama() -> MllamaForConditionalGeneration:
-    """Mllama (Llama 3.2 Vision): decoder layer 1 is a cross-attention layer, which the model
-    skips on text-only input."""
+def tiny_mllama(cross_attention_layers=(1,)) -> MllamaForConditionalGeneration:
+    """Mllama (Llama 3.2 Vision), 3 decoder layers: cross-attention layers (default: layer 1),
+    which the model skips on text-only input."""
     text = MllamaTextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                            num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=list(cross_attention_layers),
                             max_position_embeddings=128, pad_token_id=0)
     vision = MllamaVisionConfig(hidden_size=32, intermediate_layers_indices=[0], num_hidden_layers=2, num_global_layers=1,
                                 attention_heads=2, image_size=32, patch_size=8, vision_output_dim=64,
@@ -139,6 +141,26 @@ def test_layers_the_model_skips_on_text_stay_unquantized(tmp_path):
     quantkit.save(model, tmp_path)
     with torch.no_grad():
         assert torch.equal(quantkit.load(tmp_path)(input_ids=TEXT[:1]).logits, model(input_ids=TEXT[:1]).logits)
+
+
+def test_a_model_that_calls_no_decoder_layer_is_a_clear_error():
+    with pytest.raises(CalibrationError, match="called none of its decoder layers"):
+        quantkit.quantize(tiny_mllama(cross_attention_layers=(0, 1, 2)), "nvfp4", TEXT, batch_size=2)
+
+
+def test_fp8_kv_cache_covers_the_language_model(tmp_path):
+    # the vision tower's attention has no KV cache (and never runs on text)
+    model = tiny_gemma3_vlm()
+    quantkit.quantize(model, quantkit.Recipe("nvfp4", kv_cache="fp8"), TEXT, batch_size=2)
+    assert set(kv_scales(model)) == {f"model.language_model.layers.{i}.self_attn" for i in range(2)}
+    quantkit.save(model, tmp_path)
+    loaded = quantkit.load(tmp_path)
+    assert set(kv_scales(loaded)) == set(kv_scales(model))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=TEXT[:1]).logits, model(input_ids=TEXT[:1]).logits)
+    added = tiny_gemma3_vlm()
+    calibrate_kv_cache(added, TEXT, batch_size=2)
+    assert set(kv_scales(added)) == set(kv_scales(model))
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "modelopt"])

@@ -2,7 +2,8 @@
 
 1. One cheap pass records, for every decoder layer, the keyword arguments the model gives it
    (masks, rotary embeddings: they differ between layer types) and the hidden states entering
-   layer 0. Layers are replaced by identities for that pass, so no layer runs. A layer the model
+   the first layer it calls. Layers are replaced by identities for that pass, so no layer runs. A
+   layer the model
    does not call on the calibration data (Mllama's cross-attention layers on text) passes the
    hidden states on unchanged, as in the model, and its Linears stay unquantized: nothing
    calibrates them.
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from quantkit.calibrate.algorithms import LayerContext, build
-from quantkit.calibrate.distributed import all_reduce_, rank_device, shard
+from quantkit.calibrate.distributed import all_reduce_, all_reduce_sum, rank_device, shard
 from quantkit.calibrate.observers import InputObserver
 from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
@@ -182,6 +183,8 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     except ValueError as err:
         raise CalibrationError(str(err)) from None
     records = capture_layer_inputs(model, layers, batches)
+    if any(h is None for h, _ in records):
+        raise CalibrationError("the model called none of its decoder layers on a calibration batch")
     block_bytes = max(_nbytes(layer) for layer in layers)
     float_targets = recipe.propagate == "quantized" and any(a.needs_float_targets for a in algos)
     state_bytes = (3 if float_targets else 2) * sum(h.numel() * h.element_size() for h, _ in records)
@@ -201,10 +204,11 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     for i, layer in enumerate(layers):
         scope = f"{prefix}.{i}."
         linears = {n: m for n, m in planned.items() if n.startswith(scope)}
-        called = sum(i in kwargs for _, kwargs in records)
-        if called < len(records):
+        # over all ranks, so that every rank skips the same layers
+        called, total = (int(all_reduce_sum(float(c))) for c in (sum(i in kw for _, kw in records), len(records)))
+        if called < total:
             if called:
-                raise CalibrationError(f"decoder layer {i} ran on {called} of {len(records)} calibration batches: "
+                raise CalibrationError(f"decoder layer {i} ran on {called} of {total} calibration batches: "
                                        "its inputs cannot be calibrated layer by layer")
             report.layers.extend(LayerResult(n, tuple(m.weight.shape), "its decoder layer does not run on the "
                                              "calibration data") for n, m in linears.items())

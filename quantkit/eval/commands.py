@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import importlib.util
 import platform
 import time
 from collections.abc import Callable
@@ -140,12 +141,10 @@ def eval_command(
         write_eval_report(out, [], None, checks, meta)
         return
 
-    try:
-        from quantkit.eval.accuracy import evaluate_tasks
-    except ImportError as error:  # lm-eval is an extra
-        console.print(f"[bold red]error:[/] quantkit eval needs lm-eval ({error}): pip install 'quantkit[eval]'",
-                      highlight=False)
-        raise typer.Exit(2) from None
+    if importlib.util.find_spec("lm_eval") is None:  # an extra
+        console.print("[bold red]error:[/] quantkit eval needs lm-eval: pip install 'quantkit[eval]'", highlight=False)
+        raise typer.Exit(2)
+    from quantkit.eval.accuracy import evaluate_tasks
 
     task_list = _csv(tasks)
     limits = _limits(limit)
@@ -178,7 +177,7 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(item) for item in _csv(text))
 
 
-_BENCH_SHAPE_DEFAULTS = ("1x512,1x2048,8x2048,32x2048", "1,16,128,2048,8192")
+_BENCH_SHAPE_DEFAULTS = ("1x512,1x2048,8x2048,32x2048", "1,8,32", "1,16,128,2048,8192")
 
 
 def bench_command(
@@ -187,10 +186,10 @@ def bench_command(
     random_init: Annotated[Optional[str], typer.Option(help="Build the model from a config with random weights, on the device, no download: a shipped name (llama-3.1-8b, qwen3-8b, tiny-llama) or a config.json path.")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     prefill: Annotated[str, typer.Option(help="Prefill shapes BATCHxSEQ, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[0],
-    decode_batches: Annotated[str, typer.Option(help="Decode batch sizes, comma-separated.")] = "1,8,32",
+    decode_batches: Annotated[str, typer.Option(help="Decode batch sizes, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[1],
     context: Annotated[int, typer.Option(help="Prompt tokens before the timed decode steps.")] = 512,
     decode_steps: Annotated[int, typer.Option(help="Timed decode steps per batch size.")] = 64,
-    gemm_m: Annotated[str, typer.Option(help="Rows M of the per-layer GEMM timings, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[1],
+    gemm_m: Annotated[str, typer.Option(help="Rows M of the per-layer GEMM timings, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[2],
     warmup: Annotated[int, typer.Option(help="Untimed runs before each measurement.")] = 3,
     iters: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 10,
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
@@ -245,9 +244,12 @@ def bench_command(
 
         targets = [(target, load_target)]
 
-    if device == "cpu" and (prefill, gemm_m) == _BENCH_SHAPE_DEFAULTS:
-        console.print("note: the default shapes are sized for a GPU and take a long time on a CPU; try e.g. "
-                      "--prefill 1x64 --decode-batches 1 --gemm-m 16", highlight=False)
+    defaults = [flag for flag, value, default in zip(("--prefill", "--decode-batches", "--gemm-m"),
+                                                     (prefill, decode_batches, gemm_m), _BENCH_SHAPE_DEFAULTS)
+                if value == default]
+    if device == "cpu" and defaults:
+        console.print(f"note: the defaults of {', '.join(defaults)} are sized for a GPU and take a long time on a "
+                      "CPU; try e.g. --prefill 1x64 --decode-batches 1 --gemm-m 16", highlight=False)
 
     def measure(name: str, make):
         with console.status(f"bench {name}"):

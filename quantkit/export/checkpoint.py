@@ -230,10 +230,18 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _load_kv_scales(model: nn.Module, flavour: ModuleType, tensors: CheckpointTensors, names: CheckpointNames) -> None:
-    """Give every attention module the FP8 KV cache of its checkpoint scales (``flavour.KV_SCALE_NAMES``)."""
+    """Give each attention module whose scales the checkpoint holds (``flavour.KV_SCALE_NAMES``) its
+    FP8 KV cache; the others (a multimodal model's vision tower, decoder layers the calibration
+    data did not run) keep theirs in the model dtype. A checkpoint that declares the cache and
+    holds no scale is refused."""
+    first = flavour.KV_SCALE_NAMES[0]
+    held = [name for name in attention_modules(model) if f"{names.module(name)}.{first}" in tensors]
+    if not held:
+        raise CheckpointError(f"{tensors.directory}: the config declares an FP8 KV cache, but no attention "
+                              f"module has a {first} tensor")
     scales = {name: tuple(tensors.take(f"{names.module(name)}.{local}", _FLOATS, ()).float()
                           for local in flavour.KV_SCALE_NAMES)
-              for name in attention_modules(model)}
+              for name in held}
     try:
         enable_kv_cache(model, scales)
     except ValueError as err:

@@ -75,7 +75,14 @@ def _replaceable(out: Path) -> bool:
 
 
 def _umask() -> int:
-    """The process umask (read by setting it and setting it back)."""
+    """The process umask: from ``/proc/self/status`` where Linux has it, else by setting it and
+    setting it back (for that instant another thread's new file would get 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -163,9 +163,10 @@ def observe(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[dict[st
 def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: int = 8) -> None:
     """Give an already quantized (or float) ``model`` an FP8 KV cache: run ``calib_data`` (int64
     token ids ``[samples, seq_len]``, on the model's device) through the whole model and set each
-    attention module's scales to its largest key and value over 448. Unlike
-    ``Recipe(kv_cache="fp8")`` the layers before an attention module keep their own cache in the
-    model dtype during this pass, and the whole model must fit the device. Under ``torchrun`` (an
+    attention module whose attention runs on it (a vision tower's does not on text) to its largest
+    key and value over 448. Unlike ``Recipe(kv_cache="fp8")`` the layers before an attention module
+    keep their own cache in the model dtype during this pass, and the whole model must fit the
+    device. Under ``torchrun`` (an
     initialized process group) each rank passes the same ``calib_data``, runs its share of the
     batches, and every rank sets the largest values over all of them, as :func:`quantkit.quantize`."""
     # imported here: quantkit.calibrate imports this module
@@ -175,7 +176,8 @@ def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: i
     with observe(model, modules) as amax:
         for batch in shard(calib_data.split(batch_size)):
             model(input_ids=batch, use_cache=False)
-    enable_kv_cache(model, {name: scales_from_amax([all_reduce_(a, "max") for a in amax[name]]) for name in modules})
+    ran = [name for name in modules if name in amax]  # not, say, a vision tower's attention on text
+    enable_kv_cache(model, {name: scales_from_amax([all_reduce_(a, "max") for a in amax[name]]) for name in ran})
 
 
 def scales_from_amax(amax: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
