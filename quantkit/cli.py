@@ -128,7 +128,8 @@ def quantize(
             dist.destroy_process_group()
     if not writer:
         return
-    console.print(_summary(report, time.time() - start))
+    # a log file gets whole layer names (rich folds to 80 columns where no terminal says its width)
+    (console if console.is_terminal else Console(stderr=True, width=160)).print(_summary(report, time.time() - start))
     console.print(f"wrote {out} ({export})")
 
 

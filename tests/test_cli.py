@@ -38,6 +38,7 @@ def test_quantize_writes_a_checkpoint_that_loads(model_dir, tmp_path, fmt, expor
     res = run("quantize", model_dir, "--out", out, "--format", fmt, "--export", export, "--samples", 4, "--seq-len", 32)
     assert res.exit_code == 0, res.output
     assert "layers quantized" in res.output and f"wrote {out}" in res.output
+    assert "│ model.layers.0.self_attn.q_proj │" in res.output  # not folded to 80 columns in a log
     model = quantkit.load(out)
     layers = [m for m in model.modules() if isinstance(m, quantkit.QuantLinear)]
     assert len(layers) == 14 and all(m.format == fmt for m in layers)
