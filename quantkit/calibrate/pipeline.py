@@ -3,10 +3,9 @@
 1. One cheap pass records, for every decoder layer, the keyword arguments the model gives it
    (masks, rotary embeddings: they differ between layer types) and the hidden states entering
    the first layer it calls. Layers are replaced by identities for that pass, so no layer runs. A
-   layer the model
-   does not call on the calibration data (Mllama's cross-attention layers on text) passes the
-   hidden states on unchanged, as in the model, and its Linears stay unquantized: nothing
-   calibrates them.
+   layer the model does not call on the calibration data (Mllama's cross-attention layers on text)
+   passes the hidden states on unchanged, as in the model, and its Linears stay unquantized:
+   nothing calibrates them.
 2. For each decoder layer in turn: move it to the device, run the calibration hidden states
    through it with observers on its Linear inputs, run the recipe's algorithms, swap its Linears
    for QuantLinears, compute its outputs (the next layer's inputs), and move it back. With an FP8
@@ -201,11 +200,13 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     report = QuantizationReport(fmt.name, list(skipped))
     needs_hessian = any(a.needs_hessian for a in algos)
     kv_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    # batches each layer ran on, over all ranks (so that every rank skips the same layers)
+    calls = all_reduce_(torch.tensor([sum(i in kw for _, kw in records) for i in range(len(layers))]))
+    total = int(all_reduce_sum(float(len(records))))
     for i, layer in enumerate(layers):
         scope = f"{prefix}.{i}."
         linears = {n: m for n, m in planned.items() if n.startswith(scope)}
-        # over all ranks, so that every rank skips the same layers
-        called, total = (int(all_reduce_sum(float(c))) for c in (sum(i in kw for _, kw in records), len(records)))
+        called = int(calls[i])
         if called < total:
             if called:
                 raise CalibrationError(f"decoder layer {i} ran on {called} of {total} calibration batches: "
@@ -233,8 +234,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
             if set(kv_amax) != set(attentions):
                 raise CalibrationError(f"attention modules {sorted(set(attentions) - set(kv_amax))} of layer {i} "
                                        "never ran their attention function: no FP8 KV-cache scale for them")
-            kv_cache.update({scope + n: scales_from_amax([all_reduce_(a, "max") for a in kv_amax[n]])
-                             for n in attentions})  # every rank: the largest over all ranks' tokens
+            kv_cache.update({scope + n: scales_from_amax(kv_amax[n]) for n in attentions})
             ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block, targets)
             for algo in algos:

@@ -170,17 +170,22 @@ def calibrate_kv_cache(model: nn.Module, calib_data: torch.Tensor, batch_size: i
     initialized process group) each rank passes the same ``calib_data``, runs its share of the
     batches, and every rank sets the largest values over all of them, as :func:`quantkit.quantize`."""
     # imported here: quantkit.calibrate imports this module
-    from quantkit.calibrate.distributed import all_reduce_, shard
+    from quantkit.calibrate.distributed import shard
 
     modules = attention_modules(model)
     with observe(model, modules) as amax:
         for batch in shard(calib_data.split(batch_size)):
             model(input_ids=batch, use_cache=False)
     ran = [name for name in modules if name in amax]  # not, say, a vision tower's attention on text
-    enable_kv_cache(model, {name: scales_from_amax([all_reduce_(a, "max") for a in amax[name]]) for name in ran})
+    enable_kv_cache(model, {name: scales_from_amax(amax[name]) for name in ran})
 
 
 def scales_from_amax(amax: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` = ``amax / 448`` (an all-zero tensor gets scale 1)."""
-    k, v = (torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a)).cpu() for a in amax)
+    """``(k_scale, v_scale)`` = ``amax / 448``, ``amax`` (``[max |k|, max |v|]``) first reduced to
+    its largest over the ranks under ``torch.distributed`` (an all-zero tensor gets scale 1)."""
+    # imported here: quantkit.calibrate imports this module
+    from quantkit.calibrate.distributed import all_reduce_
+
+    k, v = (all_reduce_(a, "max") for a in amax)
+    k, v = (torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a)).cpu() for a in (k, v))
     return k, v
