@@ -46,6 +46,7 @@ SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
     # Llama-3.1-8B as transformers runs it (no fused q/k/v or gate/up): k/v, gate/up, q/o, down
     "8b-hf": [(1024, 4096), (14336, 4096), (4096, 4096), (4096, 14336)],
+    "405b": [(18432, 16384), (16384, 16384), (106496, 16384), (16384, 53248)],
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 W4A8_MS = [64, 256, 1024, 2048, 4096]
@@ -452,6 +453,40 @@ def run_gemv_ab(fh):
     return rows
 
 
+def run_gemv_stages_ab(shapes, fh):
+    """The GEMV rule's config against the same config with 2, 3 and 4 ring stages (where they fit),
+    beside bf16 ``F.linear``, at M = 1 and 8, for every (N, K) of ``shapes`` and the fused SwiGLU
+    gate_up shapes among them: 3 interleaved rounds. The rows carry the grid's waves at one CTA
+    per SM (``ctas * splits / SMs``), what a stage rule is fitted on."""
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [(n, k, Epilogue()) for name in shapes for n, k in SHAPES[name]]
+    cases += [(n, k, Epilogue(activation="swiglu")) for n, k, _ in cases if n >= 4 * k]  # gate_up
+    for n, k, epi in cases:
+        qw = quantized(n, k, seed=n + k, swiglu=epi.activation == "swiglu")
+        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+        bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+        n_pad = preps[0].row_exp.shape[0]
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            rule = gv.pick_gemv_config(m, n_pad, k, epi)
+            cands = {"rule": rule}
+            for st in (2, 3, 4):
+                cfg = dataclasses.replace(rule, stages=st)
+                if cfg != rule and cfg.smem_bytes() <= 227 * 1024:
+                    cands[f"stages={st}"] = cfg
+            fns = {label: [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, epi, config=c) for p in preps]
+                   for label, cfg in cands.items()}
+            fns["bf16"] = [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]
+            ctas = n_pad // (ng.ROWS * rule.tiles) * rule.splits
+            row = {"shape": f"{n}x{k}", "epilogue": epi.activation, "m": m, "rule": str(rule),
+                   "waves_1_per_sm": round(ctas / sms, 2), "us": interleaved_us(fns)}
+            rows.append(row)
+            log("STAGES " + json.dumps(row), fh)
+        del preps, bf16s
+        torch.cuda.empty_cache()
+    return rows
+
+
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
               ("70b", 57344, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
@@ -597,6 +632,8 @@ def main():
     ap.add_argument("--variant-ms", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--check-gemv-only", action="store_true", help="check only the decode GEMV")
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
+    ap.add_argument("--gemv-stages-ab", action="store_true",
+                    help="only: the GEMV rule's config vs 2/3/4 ring stages over --shapes (wave counts)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
@@ -617,6 +654,10 @@ def main():
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:
             (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
+        return
+    if args.gemv_stages_ab:
+        with open(out / "stages.log", "w") as fh:
+            (out / "stages.json").write_text(json.dumps(run_gemv_stages_ab(args.shapes, fh), indent=1))
         return
     if args.gemv_ab:
         with open(out / "ab.log", "w") as fh:

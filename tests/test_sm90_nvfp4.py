@@ -8,6 +8,7 @@ fragment layout assigns to that thread and register; that must reproduce ``e2m1 
 (W4A16) and :func:`quantkit.formats.w4a8.weight_to_fp8` (W4A8) exactly.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -416,25 +417,28 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
 
 
 def test_gemv_config_rule():
-    """The fitted rule: 8 warps with PDL; 3 stages (1 CTA/SM) when the grid fits one wave, else 2
-    (2 CTAs/SM); a 2-way K-split only for narrow, deep weights or very narrow ones (a quarter of
-    the SMs); slots for the next power of 2 of M."""
+    """The fitted rule: 8 warps with PDL; 3 stages (1 CTA/SM) when the grid takes an odd number of
+    rounds at one CTA per SM, else 2 (2 CTAs/SM); a 2-way K-split only for narrow, deep weights or
+    very narrow ones (a quarter of the SMs); slots for the next power of 2 of M."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     for n_pad, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192),
-                     (8192, 28672), (1024, 4096), (1024, 8192)):
+                     (8192, 28672), (1024, 4096), (1024, 8192), (18432, 16384), (106496, 16384)):
         for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
             for m in (1, 3, 8):
                 cfg = gv.pick_gemv_config(m, n_pad, k, epi)
                 cfg.check(epi)
                 ctas = n_pad // (64 * cfg.tiles) * cfg.splits
                 assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
-                assert ctas <= cfg.ctas_per_sm() * 132 or cfg.stages == 2  # deeper ring only within one wave
+                assert cfg.ctas_per_sm() == {3: 1, 2: 2}[cfg.stages]
+                assert cfg.stages == (3 if math.ceil(ctas / 132) % 2 else 2)  # odd rounds: one CTA per SM
     rule = {(n, k): (c.stages, c.splits, c.cluster) for n, k in ((4096, 4096), (4096, 14336), (8192, 8192),
-                                                                 (57344, 8192), (1024, 4096), (1024, 1024))
+                                                                 (57344, 8192), (1024, 4096), (1024, 1024),
+                                                                 (28672, 4096), (10240, 8192), (18432, 16384))
             for c in [gv.pick_gemv_config(1, n, k, Epilogue())]}
     assert rule == {(4096, 4096): (3, 1, False), (4096, 14336): (3, 2, True), (8192, 8192): (3, 1, False),
-                    (57344, 8192): (2, 1, False), (1024, 4096): (3, 2, True), (1024, 1024): (3, 1, False)}
+                    (57344, 8192): (3, 1, False), (1024, 4096): (3, 2, True), (1024, 1024): (3, 1, False),
+                    (28672, 4096): (2, 1, False), (10240, 8192): (2, 1, False), (18432, 16384): (3, 1, False)}
     assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
     with pytest.raises(ValueError):
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
@@ -597,5 +601,20 @@ def test_gpu_gemv_matches_float64_reference(m, config, epi):
     cfg = {"split3": gv.GemvConfig(8, 1, 2, 3), "cluster3": gv.GemvConfig(8, 1, 3, 3, pdl=True, cluster=True),
            "cluster4": gv.GemvConfig(8, 2, 2, 4, cluster=True), None: None}[config]  # None: the default route
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_gemv_multi_round_grid(m):
+    """The default route on a grid of three rounds of one CTA per SM (288 row blocks), which the
+    rule gives 3 stages: every CTA beyond the first round is written."""
+    from quantkit.kernels.sm90 import nvfp4_gemv as gv
+
+    n, k = 18432, 1024
+    cfg = gv.pick_gemv_config(m, n, k, Epilogue(), torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg.stages == 3 and n // 64 > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    out, ref = _gpu_case(m, n, k, Epilogue(bias=True), seed=20 + m, mode="w4a16")
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
