@@ -514,13 +514,14 @@ def _kernel_class():
         @cute.jit
         def __call__(self, x_ptr: Int64, tiles_ptr: Int64, exp_ptr: Int64, xs_ptr: Int64, gs_ptr: Int64,
                      out_ptr: Int64, bias_ptr: Int64, res_ptr: Int64, ws_ptr: Int64, cnt_ptr: Int64,
-                     m: Int32, n_pad: Int32, n_out: Int32, k: Int32, stream):
+                     m: Int32, x_rows: Int32, n_pad: Int32, n_out: Int32, k: Int32, stream):
             gmem = cute.AddressSpace.gmem
             cfg = self.cfg
             k = cute.assume(k, divby=BK)
             n_rows = n_out * 2 if self.swiglu else n_out
+            # x_rows >= m: the activation rows the TMA box may read (launch_gemm pads short token tiles)
             mX = cute.make_tensor(cute.make_ptr(self.ab_dtype, x_ptr, gmem, assumed_align=16),
-                                  cute.make_layout((m, k), stride=(k, 1)))
+                                  cute.make_layout((x_rows, k), stride=(k, 1)))
             mOut = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, out_ptr, gmem, assumed_align=16),
                                     cute.make_layout((m, n_out), stride=(n_out, 1)))
             mGs = cute.make_tensor(cute.make_ptr(Float32, gs_ptr, gmem, assumed_align=4), cute.make_layout(1))
@@ -960,7 +961,7 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
 
     kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32, num_sms)
     key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32, num_sms if config.persistent else 0)
-    return compile_kernel(key, kernel, *([0] * 10), 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
+    return compile_kernel(key, kernel, *([0] * 10), 1, 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
                           BK, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
@@ -986,7 +987,8 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
                 config, out: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
     FP32 per-token ``x_scale [M]``); checks shapes, picks the kernel (W4A16: the decode GEMV for
-    :func:`use_gemv` token counts or a ``GemvConfig``) and its config, allocates split-K scratch."""
+    :func:`use_gemv` token counts or a ``GemvConfig``) and its config, pads a short token tile's
+    activations, allocates split-K scratch."""
     m, k = x_arg.shape
     n_pad = w.row_exp.shape[0]
     n_out = w.n // 2 if epilogue.activation == "swiglu" else w.n
@@ -1007,6 +1009,16 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
     tvm_ffi = use_tvm_ffi()
     config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)
+    x_rows = m
+    if not w4a8 and config.bn >= 64 and config.splits == 1 and 4 * (config.bn - m) > config.bn:
+        # One unsplit 64- or 128-token tile with over a quarter of its TMA box past M: such loads
+        # run slowly (H100, session 25: 28672x4096 at M = 33 52 µs, through a copy padded to the
+        # tile 41 µs; 8192x28672 at M = 65 142 vs 99 µs; within 1.5 µs either way nearer a full
+        # tile; 16/32-token tiles and K-split grids lose the copy's 1-2 µs), so the box reads a
+        # padded copy of x. Its rows past M only feed output columns that are never stored.
+        x_pad = x_arg.new_empty(config.bn, k)
+        x_pad[:m] = x_arg
+        x_arg, x_rows = x_pad, config.bn
     ws = counters = None
     if config.splits > 1:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
@@ -1017,7 +1029,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stream = launch_stream(x_arg.device, tvm_ffi)
     fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
-       ptr(residual), ptr(ws), ptr(counters), m, n_pad, n_out, k, stream)
+       ptr(residual), ptr(ws), ptr(counters), m, x_rows, n_pad, n_out, k, stream)
     return out
 
 
