@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -21,8 +22,8 @@ FORMAT_HELP = "nvfp4 | nvfp4-4over6 | nvfp4-w4a16 | nvfp4-w4a8 | fp8-block | fp8
 
 
 def fail(message: str) -> None:
-    """Print a one-line error and exit with status 2."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print a one-line error (its brackets as written, not Rich markup) and exit with status 2."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(2)
 
 

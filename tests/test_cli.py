@@ -61,6 +61,7 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--format", "int3"], "unknown format 'int3'"),
+    (["--format", "nvfp4[x]"], "unknown format 'nvfp4[x]'"),  # brackets as typed, not Rich markup
     (["--calib", "/nonexistent/calib.jsonl"], "does not exist"),
     (["--seq-len", "4096"], "exceeds the model's context length 128"),
     (["--export", "gguf"], "unknown export flavour 'gguf'"),
