@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import types
 
 import pytest
 import torch
 import typer
-from test_eval_fixtures import LAMBADA_TEXTS, lambada_reference, tiny_llama, tiny_tokenizer, write_data_dir
+from test_eval_fixtures import (LAMBADA_TEXTS, lambada_reference, tiny_llama, tiny_tokenizer, token_logprobs,
+                                write_data_dir)
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("matplotlib")
-from quantkit.eval.accuracy import Metric, TaskScores  # noqa: E402
 from quantkit.eval.commands import eval_command  # noqa: E402
 from quantkit.eval.report import compare, recovery_percent, write_eval_report  # noqa: E402
+from quantkit.eval.scores import Metric, TaskScores  # noqa: E402
 
 
 def test_recovery_is_oriented_so_100_means_no_loss():
@@ -68,7 +70,9 @@ def test_eval_without_lm_eval_is_a_clear_error(tmp_path, monkeypatch, capsys):
     with pytest.raises(typer.Exit) as exit_info:
         eval_command(target="demo", tasks="lambada_openai", device="cpu", out=tmp_path)
     assert exit_info.value.exit_code == 2
-    assert "quantkit eval needs lm-eval" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    err = capsys.readouterr().err
+    assert "tasks lambada_openai need lm-eval: pip install 'quantkit[eval]' (wikitext2_ppl runs without it)" in err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.fixture()
@@ -104,6 +108,30 @@ def test_eval_command_quantized_vs_unquantized(tmp_path, tiny_sources):
     assert rows["perplexity"]["value"] != pytest.approx(ppl, rel=1e-4)  # really quantized
     assert rows["perplexity"]["baseline"] == base["perplexity"]["value"]
     assert rows["perplexity"]["recovery"] == pytest.approx(100 * base["perplexity"]["value"] / rows["perplexity"]["value"])
+
+
+def test_eval_command_wikitext2_ppl_runs_without_lm_eval(tmp_path, tiny_sources, monkeypatch):
+    find_spec = importlib.util.find_spec  # as if lm-eval were not installed: importing it fails
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    reference, tok = tiny_sources
+    data = write_data_dir(tmp_path / "data")
+    seq_len, windows = 16, 3
+    eval_command(target="tiny", formats="nvfp4", tasks="wikitext2_ppl", limit=str(windows), device="cpu",
+                 data_dir=data, out=tmp_path / "out", batch_size=2, seq_len=seq_len)
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    (base,), (row,) = report["baseline_rows"], report["rows"]
+    # independent: the first `windows` windows of the joined WikiText rows, NLL of tokens 1.. of each
+    raw = (data / "wikitext-2-raw" / "wiki.test.raw").read_text()
+    ids = tok.encode("\n\n".join(line if line.strip() else "" for line in raw.splitlines(keepends=True)))
+    nll = 0.0
+    for w in range(windows):
+        window = ids[w * seq_len: (w + 1) * seq_len]
+        lp = token_logprobs(reference, window)
+        nll -= sum(lp[i, window[i + 1]].item() for i in range(seq_len - 1))
+    assert (base["task"], base["metric"]) == ("wikitext2_ppl", "token_perplexity")
+    assert base["value"] == pytest.approx(math.exp(nll / (windows * (seq_len - 1))), rel=1e-4)
+    assert row["model"] == "nvfp4" and row["value"] != pytest.approx(base["value"], rel=1e-4)  # really quantized
 
 
 def test_eval_command_check_kernels(tmp_path, tiny_sources):

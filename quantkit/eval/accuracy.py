@@ -16,7 +16,6 @@ is the ``lm_eval`` command line with that class registered.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import lm_eval
@@ -26,27 +25,9 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from quantkit.eval.perplexity import PERPLEXITY_TASK, wikitext2_perplexity
+from quantkit.eval.perplexity import PERPLEXITY_TASK, perplexity_scores
+from quantkit.eval.scores import Metric, TaskScores
 from quantkit.eval.tasks import task_specs
-
-
-@dataclass(frozen=True)
-class Metric:
-    """One aggregated task metric: its value, standard error (``None`` where lm-eval gives none)
-    and whether a larger value is better."""
-
-    value: float
-    stderr: float | None
-    higher_is_better: bool
-
-
-@dataclass(frozen=True)
-class TaskScores:
-    """One model's results: ``metrics[task][metric]`` and the number of documents per task."""
-
-    model: str
-    metrics: dict[str, dict[str, Metric]]
-    samples: dict[str, int]
 
 
 @register_model("quantkit")
@@ -133,12 +114,10 @@ def evaluate_tasks(
             metrics[result] = _parse_results(out, result)
             samples[result] = int(out["n-samples"][result]["effective"])
     if PERPLEXITY_TASK in tasks:
-        ppl = wikitext2_perplexity(
-            model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size,
-            max_windows=limits.get(PERPLEXITY_TASK),
-        )
-        metrics[PERPLEXITY_TASK] = {"token_perplexity": Metric(ppl.value, None, higher_is_better=False)}
-        samples[PERPLEXITY_TASK] = ppl.windows
+        ppl = perplexity_scores(model, tokenizer, name=name, data_dir=data_dir, seq_len=seq_len,
+                                batch_size=batch_size, max_windows=limits.get(PERPLEXITY_TASK))
+        metrics.update(ppl.metrics)
+        samples.update(ppl.samples)
     return TaskScores(model=name, metrics=metrics, samples=samples)
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(stderr=True)
 
@@ -67,7 +68,7 @@ def _load_model(source: str, device: str) -> tuple[Any, Any]:
     try:
         return load_model(source, device=device)
     except ModelLoadError as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -118,6 +119,7 @@ def eval_command(
 
       quantkit eval ./llama-nvfp4 --check-kernels
     """
+    from quantkit.eval.perplexity import PERPLEXITY_TASK, perplexity_scores
     from quantkit.eval.report import write_eval_report
 
     device = _default_device(device)
@@ -141,21 +143,29 @@ def eval_command(
         write_eval_report(out, [], None, checks, meta)
         return
 
-    if importlib.util.find_spec("lm_eval") is None:  # an extra
-        console.print("[bold red]error:[/] quantkit eval needs lm-eval: pip install 'quantkit[eval]'", highlight=False)
-        raise typer.Exit(2)
-    from quantkit.eval.accuracy import evaluate_tasks
-
     task_list = _csv(tasks)
     limits = _limits(limit)
+    harness_tasks = [task for task in task_list if task != PERPLEXITY_TASK]
+    if harness_tasks and importlib.util.find_spec("lm_eval") is None:  # an extra
+        message = (f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
+                   f"({PERPLEXITY_TASK} runs without it)")
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if harness_tasks:
+        from quantkit.eval.accuracy import evaluate_tasks
     base_source = baseline or (target if fmts else None)
     base_name = "bf16" if base_source == target else base_source
 
     def score(name: str, load: Callable[[], tuple[Any, Any]]):
-        console.print(f"[bold]evaluating {name}[/] on {', '.join(task_list)}")
+        console.print(f"[bold]evaluating {escape(name)}[/] on {escape(', '.join(task_list))}")
         model, tokenizer = load()
-        result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limits,
-                                batch_size=batch_size, max_length=max_length, seq_len=seq_len)
+        if harness_tasks:
+            result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limits,
+                                    batch_size=batch_size, max_length=max_length, seq_len=seq_len)
+        else:
+            windows = limits.get(PERPLEXITY_TASK) if isinstance(limits, dict) else limits
+            result = perplexity_scores(model, tokenizer, name=name, data_dir=data_dir, seq_len=seq_len,
+                                       batch_size=batch_size, max_windows=windows)
         del model
         _free(device)
         return result
@@ -254,7 +264,7 @@ def bench_command(
     def measure(name: str, make):
         with console.status(f"bench {name}"):
             model = make()
-            result = bench_model(model, name, settings, log=lambda line: console.print(f"{name}: {line}", highlight=False))
+            result = bench_model(model, name, settings, log=lambda line: console.print(escape(f"{name}: {line}"), highlight=False))
         del model
         _free(device)
         return result

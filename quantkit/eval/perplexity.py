@@ -16,6 +16,7 @@ import torch
 from rich.progress import track
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from quantkit.eval.scores import Metric, TaskScores
 from quantkit.eval.tasks import find_data_file
 from quantkit.eval.tasks.documents import read_wikitext_lines
 
@@ -108,3 +109,21 @@ def wikitext2_perplexity(
     """The ``wikitext2_ppl`` task: :func:`chunked_perplexity` of the WikiText-2 test stream."""
     ids = wikitext2_token_ids(tokenizer, data_dir)
     return chunked_perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, max_windows=max_windows)
+
+
+def perplexity_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    name: str,
+    data_dir: Path | None = None,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    max_windows: int | None = None,
+) -> TaskScores:
+    """The ``wikitext2_ppl`` task alone as ``name``'s :class:`TaskScores` (metric
+    ``token_perplexity``, samples = windows scored); needs no lm-eval."""
+    ppl = wikitext2_perplexity(model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size,
+                               max_windows=max_windows)
+    return TaskScores(model=name, metrics={PERPLEXITY_TASK: {"token_perplexity": Metric(ppl.value, None, False)}},
+                      samples={PERPLEXITY_TASK: ppl.windows})

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:  # annotations only: importing lm-eval takes seconds
-    from quantkit.eval.accuracy import TaskScores
     from quantkit.eval.bench import ModelBench
     from quantkit.eval.kernel_check import KernelCheck
+    from quantkit.eval.scores import TaskScores
 
 TableData = tuple[list[str], list[list[str]]]  # headers, rows of cells
 
