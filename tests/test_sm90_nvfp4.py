@@ -446,6 +446,22 @@ def test_gemv_config_rule():
         gv.GemvConfig(8, 1, 5).check(Epilogue())  # 8 warps x 5 slots exceed shared memory
 
 
+def test_64_token_tile_stages_and_padded_tma_rows():
+    """64-token tiles: all the shared memory (8 stages) within one wave, two CTAs per SM (5) past it,
+    and for two-warpgroup (SwiGLU) tiles only with >= 24 k-tiles per split. W4A16 reads a tile-high
+    copy of x where one unsplit 64/128-token tile is over a quarter empty."""
+    swiglu = Epilogue(activation="swiglu")
+    stages = {(n, k, epi.activation): ng.pick_config(64, n, k, epi, False).stages
+              for n, k in ((4096, 4096), (4096, 14336), (28672, 4096), (10240, 8192)) for epi in (Epilogue(), swiglu)}
+    assert stages == {(4096, 4096, "identity"): 8, (4096, 4096, "swiglu"): 3, (4096, 14336, "identity"): 8,
+                      (4096, 14336, "swiglu"): 8, (28672, 4096, "identity"): 5, (28672, 4096, "swiglu"): 3,
+                      (10240, 8192, "identity"): 5, (10240, 8192, "swiglu"): 8}
+    rows = {m: ng.tma_rows(m, ng.pick_config(m, 28672, 4096, Epilogue(), False), False) for m in (20, 33, 47, 48, 64, 65, 95, 96, 200)}
+    assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 200: 200}
+    assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
+    assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
+
+
 def test_w4a16_routes_decode_to_the_gemv():
     assert ng.use_gemv(1) and ng.use_gemv(8) and not ng.use_gemv(9)
 

@@ -983,6 +983,18 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
     return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi, num_sms=num_sms)
 
 
+def tma_rows(m: int, config: Config, w4a8: bool) -> int:
+    """Activation rows the kernel's TMA box reads for ``m`` tokens: the whole tile (the caller
+    pads a copy of x) where W4A16 runs one unsplit 64- or 128-token tile over a quarter of which
+    lies past M, else ``m``. Such mostly-out-of-bounds loads run slowly (H100, session 25:
+    28672x4096 at M = 33 52 µs, through the padded copy 41 µs; 8192x28672 at M = 65 142 vs 99 µs;
+    within 1.5 µs either way nearer a full tile; 16/32-token tiles and K-split grids lose the
+    copy's 1-2 µs)."""
+    if not w4a8 and config.bn >= 64 and config.splits == 1 and 4 * (config.bn - m) > config.bn:
+        return config.bn
+    return m
+
+
 def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a8: bool, x_scale, bias, residual,
                 config, out: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
@@ -1009,16 +1021,11 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
     tvm_ffi = use_tvm_ffi()
     config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)
-    x_rows = m
-    if not w4a8 and config.bn >= 64 and config.splits == 1 and 4 * (config.bn - m) > config.bn:
-        # One unsplit 64- or 128-token tile with over a quarter of its TMA box past M: such loads
-        # run slowly (H100, session 25: 28672x4096 at M = 33 52 µs, through a copy padded to the
-        # tile 41 µs; 8192x28672 at M = 65 142 vs 99 µs; within 1.5 µs either way nearer a full
-        # tile; 16/32-token tiles and K-split grids lose the copy's 1-2 µs), so the box reads a
-        # padded copy of x. Its rows past M only feed output columns that are never stored.
-        x_pad = x_arg.new_empty(config.bn, k)
+    x_rows = tma_rows(m, config, w4a8)
+    if x_rows > m:  # its rows past M only feed output columns that are never stored
+        x_pad = x_arg.new_empty(x_rows, k)
         x_pad[:m] = x_arg
-        x_arg, x_rows = x_pad, config.bn
+        x_arg = x_pad
     ws = counters = None
     if config.splits > 1:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
