@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from quantkit.eval.bench import BenchSettings, bench_model, load_config, random_init_model
     from quantkit.eval.kernel_check import check_kernels
     from quantkit.eval.perplexity import chunked_perplexity, perplexity_scores, wikitext2_perplexity
-    from quantkit.eval.scores import Metric, TaskScores
     from quantkit.eval.report import write_bench_report, write_eval_report
+    from quantkit.eval.scores import Metric, TaskScores
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -125,5 +125,6 @@ def perplexity_scores(
     ``token_perplexity``, samples = windows scored); needs no lm-eval."""
     ppl = wikitext2_perplexity(model, tokenizer, data_dir=data_dir, seq_len=seq_len, batch_size=batch_size,
                                max_windows=max_windows)
-    return TaskScores(model=name, metrics={PERPLEXITY_TASK: {"token_perplexity": Metric(ppl.value, None, False)}},
+    metric = Metric(ppl.value, None, higher_is_better=False)
+    return TaskScores(model=name, metrics={PERPLEXITY_TASK: {"token_perplexity": metric}},
                       samples={PERPLEXITY_TASK: ppl.windows})
