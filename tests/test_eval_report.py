@@ -134,6 +134,29 @@ def test_eval_command_wikitext2_ppl_runs_without_lm_eval(tmp_path, tiny_sources,
     assert row["model"] == "nvfp4" and row["value"] != pytest.approx(base["value"], rel=1e-4)  # really quantized
 
 
+@pytest.mark.parametrize("tasks", ["wikitext2_ppl", "lambada_openai"])
+def test_eval_offline_without_data_dir_is_a_clear_error(tmp_path, tiny_sources, monkeypatch, capsys, tasks):
+    import datasets.config
+    import huggingface_hub.constants
+
+    for module in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    with pytest.raises(typer.Exit) as exit_info:
+        eval_command(target="tiny", tasks=tasks, limit="2", device="cpu", out=tmp_path / "out", seq_len=16)
+    assert exit_info.value.exit_code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"cannot read the data of {tasks}:" in err and "Offline, --data-dir DIR holding lambada_test.jsonl" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_data_dir_without_the_file_is_a_clear_error(tmp_path, tiny_sources, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(typer.Exit):
+        eval_command(target="tiny", tasks="wikitext2_ppl", device="cpu", data_dir=tmp_path / "empty", out=tmp_path / "out")
+    assert f"no wiki.test.raw under {tmp_path / 'empty'}" in " ".join(capsys.readouterr().err.split())
+
+
 def test_eval_command_check_kernels(tmp_path, tiny_sources):
     eval_command(target="tiny", formats="nvfp4", device="cpu", check_kernels=True, out=tmp_path, batch_size=2, seq_len=16)
     report = json.loads((tmp_path / "eval.json").read_text())

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -61,6 +61,12 @@ def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
     }
 
 
+def _fail(message: str) -> NoReturn:
+    """Print a one-line error (its text as written, not Rich markup) and exit with status 2."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
 def _load_model(source: str, device: str) -> tuple[Any, Any]:
     """``quantkit.models.load_model``; a model that cannot be loaded ends the command with its reason."""
     from quantkit.models import ModelLoadError, load_model
@@ -68,8 +74,7 @@ def _load_model(source: str, device: str) -> tuple[Any, Any]:
     try:
         return load_model(source, device=device)
     except ModelLoadError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
-        raise typer.Exit(2) from None
+        _fail(str(error))
 
 
 def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any, Any]]:
@@ -108,8 +113,10 @@ def eval_command(
     seq_len: Annotated[int, typer.Option(help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
     max_length: Annotated[Optional[int], typer.Option(help="Context lm-eval gives the model (default: the model config's).")] = None,
 ) -> None:
-    """Accuracy of TARGET (and of a baseline) on lm-eval tasks, run through the same QuantLinear
-    path users get. Per task metric: value, baseline, delta, recovery %, stderr.
+    """Accuracy of TARGET (and of a baseline) on lm-eval tasks and WikiText-2 perplexity.
+
+    Runs through the same QuantLinear path users get. Per task metric: value, baseline, delta,
+    recovery %, stderr.
 
     Examples:
 
@@ -147,10 +154,8 @@ def eval_command(
     limits = _limits(limit)
     harness_tasks = [task for task in task_list if task != PERPLEXITY_TASK]
     if harness_tasks and importlib.util.find_spec("lm_eval") is None:  # an extra
-        message = (f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
-                   f"({PERPLEXITY_TASK} runs without it)")
-        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+        _fail(f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
+              f"({PERPLEXITY_TASK} runs without it)")
     if harness_tasks:
         from quantkit.eval.accuracy import evaluate_tasks
     base_source = baseline or (target if fmts else None)
@@ -159,13 +164,18 @@ def eval_command(
     def score(name: str, load: Callable[[], tuple[Any, Any]]):
         console.print(f"[bold]evaluating {escape(name)}[/] on {escape(', '.join(task_list))}")
         model, tokenizer = load()
-        if harness_tasks:
-            result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limits,
-                                    batch_size=batch_size, max_length=max_length, seq_len=seq_len)
-        else:
-            windows = limits.get(PERPLEXITY_TASK) if isinstance(limits, dict) else limits
-            result = perplexity_scores(model, tokenizer, name=name, data_dir=data_dir, seq_len=seq_len,
-                                       batch_size=batch_size, max_windows=windows)
+        try:
+            if harness_tasks:
+                result = evaluate_tasks(model, tokenizer, task_list, name=name, data_dir=data_dir, limit=limits,
+                                        batch_size=batch_size, max_length=max_length, seq_len=seq_len)
+            else:
+                windows = limits.get(PERPLEXITY_TASK) if isinstance(limits, dict) else limits
+                result = perplexity_scores(model, tokenizer, name=name, data_dir=data_dir, seq_len=seq_len,
+                                           batch_size=batch_size, max_windows=windows)
+        except (ConnectionError, FileNotFoundError) as error:  # offline hub, or a data file not found
+            _fail(f"cannot read the data of {', '.join(task_list)}: {error}. Offline, --data-dir DIR holding "
+                  "lambada_test.jsonl and wiki.test.raw (any depth) runs lambada_openai, wikitext and "
+                  f"{PERPLEXITY_TASK} from local files.")
         del model
         _free(device)
         return result
@@ -207,8 +217,7 @@ def bench_command(
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
-    """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, measured in the
-    same run.
+    """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, in one run.
 
     Examples:
 
