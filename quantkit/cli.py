@@ -23,7 +23,7 @@ FORMAT_HELP = "nvfp4 | nvfp4-4over6 | nvfp4-w4a16 | nvfp4-w4a8 | fp8-block | fp8
 
 def fail(message: str) -> None:
     """Print a one-line error (its brackets as written, not Rich markup) and exit with status 2."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
