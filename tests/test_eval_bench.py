@@ -34,6 +34,22 @@ def test_load_config_reports_the_shipped_names(tmp_path):
     assert bench.load_config(str(tmp_path)).hidden_size == 96
 
 
+@pytest.mark.parametrize("target,random_init,message", [
+    ("nvfp4", "no-such-model", "--random-init no-such-model: no config 'no-such-model': give a config.json path or one of"),
+    ("nvfp4", "{cfg}", "has no model_type: not a Hugging Face config.json"),
+    ("nvfp4,int3", "tiny-llama", "unknown format 'int3'; valid formats: nvfp4,"),
+])
+def test_bench_bad_input_is_one_clear_error(tmp_path, capsys, target, random_init, message):
+    import typer
+
+    (tmp_path / "cfg.json").write_text('{"hidden_size": 64}')
+    with pytest.raises(typer.Exit) as exit_info:
+        bench_command(target, random_init=random_init.format(cfg=tmp_path / "cfg.json"), device="cpu", out=tmp_path / "out")
+    assert exit_info.value.exit_code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "out").exists()
+
+
 def test_random_init_model_is_on_device_in_bf16_and_seeded():
     config = bench.load_config("tiny-llama")
     a = bench.random_init_model(config, device="cpu", seed=1)

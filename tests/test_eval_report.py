@@ -150,6 +150,15 @@ def test_eval_offline_without_data_dir_is_a_clear_error(tmp_path, tiny_sources, 
     assert not (tmp_path / "out").exists()
 
 
+def test_eval_unknown_format_is_a_clear_error_before_loading(tmp_path, monkeypatch, capsys):
+    import quantkit.eval.commands as commands
+
+    monkeypatch.setattr(commands, "_load_model", lambda *a: pytest.fail("loaded a model"))
+    with pytest.raises(typer.Exit):
+        eval_command(target="tiny", formats="nvfp4,int3", tasks="wikitext2_ppl", device="cpu", out=tmp_path / "out")
+    assert "unknown format 'int3'; valid formats: nvfp4," in " ".join(capsys.readouterr().err.split())
+
+
 def test_eval_data_dir_without_the_file_is_a_clear_error(tmp_path, tiny_sources, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(typer.Exit):

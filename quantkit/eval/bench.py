@@ -121,6 +121,8 @@ def load_config(name_or_path: str) -> PretrainedConfig:
             f"no config {name_or_path!r}: give a config.json path or one of {', '.join(shipped_configs())}"
         )
     values = json.loads(path.read_text())
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(f"{path} has no model_type: not a Hugging Face config.json")
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 

@@ -92,6 +92,21 @@ def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any
     return load
 
 
+def _formats(text: str, *, allow_bf16: bool = False) -> list[str]:
+    """The comma-separated format names of ``text``, each a known format (or ``bf16`` where
+    allowed); an unknown one ends the command with the valid names."""
+    from quantkit.formats import get_format
+
+    names = _csv(text)
+    for name in names:
+        if not (allow_bf16 and name == "bf16"):
+            try:
+                get_format(name)
+            except ValueError as error:
+                _fail(str(error))
+    return names
+
+
 def _limits(text: str | None) -> int | dict[str, int] | None:
     """``--limit``: ``"500"`` -> 500; ``"lambada_openai=500,wikitext=10"`` -> a mapping by task."""
     if text is None or "=" not in text:
@@ -130,7 +145,7 @@ def eval_command(
     from quantkit.eval.report import write_eval_report
 
     device = _default_device(device)
-    fmts = _csv(formats) if formats else []
+    fmts = _formats(formats) if formats else []
     candidates = [(fmt, _loader(target, fmt, device)) for fmt in fmts] or [(target, _loader(target, None, device))]
     meta = _run_meta(device, target=target, formats=formats, tasks=None if check_kernels else tasks, limit=limit,
                      batch_size=batch_size, data_dir=str(data_dir) if data_dir else None, max_length=max_length)
@@ -241,7 +256,10 @@ def bench_command(
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
 
     if random_init:
-        config = load_config(random_init)
+        try:
+            config = load_config(random_init)
+        except (FileNotFoundError, ValueError) as error:  # no such config, or not a config (JSON errors included)
+            _fail(f"--random-init {random_init}: {error}")
 
         def build(fmt: str):
             model = random_init_model(config, device=device)
@@ -251,7 +269,7 @@ def bench_command(
                 quantkit.quantize_model(model, format=fmt)
             return model
 
-        targets = [(fmt, lambda fmt=fmt: build(fmt)) for fmt in _csv(target)]
+        targets = [(fmt, lambda fmt=fmt: build(fmt)) for fmt in _formats(target, allow_bf16=True)]
     else:
         config = None
 
