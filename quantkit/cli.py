@@ -62,15 +62,15 @@ def quantize(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output checkpoint directory (written atomically).")],
     format: Annotated[str, typer.Option("--format", "-f", help=FORMAT_HELP)] = "nvfp4",
     calib: Annotated[Optional[str], typer.Option(help="Calibration data: a .txt/.jsonl/.parquet file or directory, a hub dataset id (name[:config]); default: the embedded corpus.")] = None,
-    samples: Annotated[Optional[int], typer.Option(help="Number of calibration sequences (default: 128 on a GPU, 16 on CPU).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
+    samples: Annotated[Optional[int], typer.Option(min=1, help="Number of calibration sequences (default: 128 on a GPU, 16 on CPU).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn or max, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
     options: Annotated[Optional[str], typer.Option(help='Algorithm parameters as JSON, e.g. \'{"autoround": {"iters": 200}, "gptq": {"act_order": true}}\'.')] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
     kv_cache: Annotated[Optional[str], typer.Option(help="'fp8': also calibrate a static FP8 KV-cache scale per attention layer (vLLM: --kv-cache-dtype fp8).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Where to calibrate: cuda | cpu (default: cuda if present).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Calibration sequences per forward pass.")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, help="Calibration sequences per forward pass.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed for sampling calibration text.")] = 0,
 ) -> None:
     """Quantize MODEL and write a checkpoint vLLM loads.

@@ -70,6 +70,8 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     (["--options", '{"autoround": {"iterations": 3}}'], "unknown autoround option(s) iterations; valid: iters, lr, target, batches_per_step"),
     (["--options", '{"awq": 20}'], "options for awq must map parameter names to values"),
     (["--options", "{grid: 20}"], "--options is not valid JSON"),
+    (["--samples", "0"], "Invalid value for '--samples'"),
+    (["--batch-size", "0"], "Invalid value for '--batch-size'"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, args, message):
     out = tmp_path / "q"
@@ -77,6 +79,19 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, ar
     assert res.exit_code == 2
     assert message in " ".join(res.output.split())
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "demo", "--tasks", "wikitext2_ppl", "--limit", "abc"], "Invalid value for --limit: expected N or TASK=N,..., got 'abc'"),
+    (["eval", "demo", "--limit", "lambada_openai=0"], "Invalid value for --limit: expected N or TASK=N,..., got '0'"),
+    (["bench", "nvfp4", "--random-init", "tiny-llama", "--prefill", "1x"], "Invalid value for --prefill: expected BATCHxSEQ, got ''"),
+    (["bench", "nvfp4", "--random-init", "tiny-llama", "--gemm-m", "16,x"], "Invalid value for --gemm-m: expected a positive integer, got 'x'"),
+    (["bench", "nvfp4", "--random-init", "tiny-llama", "--iters", "0"], "Invalid value for '--iters'"),
+])
+def test_eval_and_bench_reject_malformed_numbers_before_any_work(tmp_path, args, message):
+    res = run(*args, "--device", "cpu", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and message in " ".join(res.output.replace("│", " ").split())
+    assert not (tmp_path / "out").exists()
 
 
 def test_options_reach_the_algorithms(model_dir, tmp_path):

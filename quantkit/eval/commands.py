@@ -107,11 +107,23 @@ def _formats(text: str, *, allow_bf16: bool = False) -> list[str]:
     return names
 
 
+def _positive(text: str, option: str, what: str = "a positive integer") -> int:
+    """``text`` as an int >= 1; otherwise a usage error naming ``option`` (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise typer.BadParameter(f"expected {what}, got {text!r}", param_hint=option)
+    return value
+
+
 def _limits(text: str | None) -> int | dict[str, int] | None:
     """``--limit``: ``"500"`` -> 500; ``"lambada_openai=500,wikitext=10"`` -> a mapping by task."""
     if text is None or "=" not in text:
-        return None if text is None else int(text)
-    return {task.strip(): int(n) for task, n in (item.split("=") for item in _csv(text))}
+        return None if text is None else _positive(text, "--limit", "N or TASK=N,...")
+    items = [item.partition("=") for item in _csv(text)]
+    return {task.strip(): _positive(n, "--limit", "N or TASK=N,...") for task, _, n in items}
 
 
 def eval_command(
@@ -120,12 +132,12 @@ def eval_command(
     formats: Annotated[Optional[str], typer.Option("--format", "-f", help="Quantize TARGET in memory (RTN, no calibration) to each of these comma-separated formats, e.g. nvfp4,fp8-block,mxfp8, and evaluate each.")] = None,
     tasks: Annotated[str, typer.Option("--tasks", "-t", help="Comma-separated lm-eval task names, plus 'wikitext2_ppl' (GPTQ-style token perplexity).")] = "lambada_openai,wikitext",
     limit: Annotated[Optional[str], typer.Option(help="Evaluate only the first N documents of each task (windows for wikitext2_ppl): N, or TASK=N,... per task.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 8,
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Directory holding lambada_test.jsonl / wiki.test.raw (any depth): run lambada_openai, wikitext and wikitext2_ppl offline.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for eval.md, eval.json, eval_recovery.png.")] = Path("eval-results"),
     check_kernels: Annotated[bool, typer.Option("--check-kernels", help="Instead of tasks: run a few batches through the GPU kernels and the reference path and report logit error and top-1 agreement.")] = False,
-    seq_len: Annotated[int, typer.Option(help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
+    seq_len: Annotated[int, typer.Option(min=2, help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
     max_length: Annotated[Optional[int], typer.Option(help="Context lm-eval gives the model (default: the model config's).")] = None,
 ) -> None:
     """Accuracy of TARGET (and of a baseline) on lm-eval tasks and WikiText-2 perplexity.
@@ -203,13 +215,15 @@ def eval_command(
         console.print(f"wrote {path}")
 
 
-def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+def _shapes(text: str, option: str) -> tuple[tuple[int, int], ...]:
     """``"1x512,8x2048"`` -> ``((1, 512), (8, 2048))``."""
-    return tuple((int(b), int(s)) for b, s in (item.lower().split("x") for item in _csv(text)))
+    pairs = [item.lower().partition("x") for item in _csv(text)]
+    return tuple((_positive(b, option, "BATCHxSEQ"), _positive(s, option, "BATCHxSEQ")) for b, _, s in pairs)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(item) for item in _csv(text))
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    """``"1,8,32"`` -> ``(1, 8, 32)``."""
+    return tuple(_positive(item, option) for item in _csv(text))
 
 
 _BENCH_SHAPE_DEFAULTS = ("1x512,1x2048,8x2048,32x2048", "1,8,32", "1,16,128,2048,8192")
@@ -222,11 +236,11 @@ def bench_command(
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     prefill: Annotated[str, typer.Option(help="Prefill shapes BATCHxSEQ, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[0],
     decode_batches: Annotated[str, typer.Option(help="Decode batch sizes, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[1],
-    context: Annotated[int, typer.Option(help="Prompt tokens before the timed decode steps.")] = 512,
-    decode_steps: Annotated[int, typer.Option(help="Timed decode steps per batch size.")] = 64,
+    context: Annotated[int, typer.Option(min=1, help="Prompt tokens before the timed decode steps.")] = 512,
+    decode_steps: Annotated[int, typer.Option(min=1, help="Timed decode steps per batch size.")] = 64,
     gemm_m: Annotated[str, typer.Option(help="Rows M of the per-layer GEMM timings, comma-separated.")] = _BENCH_SHAPE_DEFAULTS[2],
-    warmup: Annotated[int, typer.Option(help="Untimed runs before each measurement.")] = 3,
-    iters: Annotated[int, typer.Option(help="Timed runs per measurement (median reported).")] = 10,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed runs before each measurement.")] = 3,
+    iters: Annotated[int, typer.Option(min=1, help="Timed runs per measurement (median reported).")] = 10,
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
@@ -249,9 +263,9 @@ def bench_command(
         raise typer.BadParameter("must be 'bf16' or 'none'", param_hint="--baseline")
     device = _default_device(device)
     settings = BenchSettings(
-        prefill_shapes=_shapes(prefill), decode_batches=_ints(decode_batches), context=context,
-        decode_steps=decode_steps, gemm_m=_ints(gemm_m), warmup=warmup, iters=iters, cuda_graphs=cuda_graphs,
-        compile="inductor" if compile_model else None, fuse=fuse,
+        prefill_shapes=_shapes(prefill, "--prefill"), decode_batches=_ints(decode_batches, "--decode-batches"),
+        context=context, decode_steps=decode_steps, gemm_m=_ints(gemm_m, "--gemm-m"), warmup=warmup, iters=iters,
+        cuda_graphs=cuda_graphs, compile="inductor" if compile_model else None, fuse=fuse,
     )
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
 
