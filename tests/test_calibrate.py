@@ -1,5 +1,6 @@
 """Sequential calibration pipeline and calibration data."""
 import json
+import re
 
 import pytest
 import torch
@@ -108,6 +109,26 @@ def test_dynamic_formats_need_no_data():
     assert len(report.quantized) == 21 and report.calibration is None
     with pytest.raises(CalibrationError, match="needs calibration data"):
         quantize(tiny_llama(), "nvfp4", None)
+
+
+@pytest.mark.parametrize("ids,message", [
+    (torch.rand(2, 16), "must be token ids, an int64 [num_samples, seq_len] tensor"),
+    (torch.randint(0, 128, (16,)), "must be token ids, an int64 [num_samples, seq_len] tensor"),
+    (torch.randint(0, 128, (0, 16)), "must be token ids"),
+    (torch.randint(300, 400, (2, 16)), "outside the model's vocabulary [0, 128): tokenized with another model's tokenizer?"),
+])
+def test_malformed_calibration_ids_are_a_clear_error(ids, message):
+    model = tiny_llama()
+    with pytest.raises(CalibrationError, match=re.escape(message)):
+        quantize(model, Recipe("nvfp4", ("mse",)), ids)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # nothing swapped
+
+
+def test_recipe_rejects_unknown_algorithms_when_built():
+    with pytest.raises(ValueError, match="unknown algorithm 'nosuch'; valid: autoround, awq, gptq, mse, rtn, smoothquant"):
+        Recipe("nvfp4", ("awq", "nosuch"))
+    with pytest.raises(ValueError, match="both choose the"):
+        Recipe("nvfp4", ("gptq", "autoround"))
 
 
 # ------------------------------------------------------------------ data

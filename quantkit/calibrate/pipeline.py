@@ -148,6 +148,22 @@ def _to(obj, device):
     return obj
 
 
+def _check_token_ids(model: nn.Module, ids: torch.Tensor) -> None:
+    """Raise :class:`CalibrationError` unless ``ids`` is an integer ``[num_samples, seq_len]`` tensor
+    of token ids the model's input embedding holds."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise CalibrationError(f"calibration data must be token ids, an int64 [num_samples, seq_len] tensor "
+                               f"(quantkit.calibrate.data.token_samples); got {getattr(ids, 'dtype', '')} {shape}")
+    try:
+        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without the hook
+        vocab = None
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise CalibrationError(f"calibration token ids span [{int(ids.min())}, {int(ids.max())}], outside the model's "
+                               f"vocabulary [0, {vocab}): tokenized with another model's tokenizer?")
+
+
 @torch.no_grad()  # without it each layer's outputs would keep every earlier layer's activations alive
 def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch.Tensor | None = None, *,
              device: str | torch.device | None = None, batch_size: int = 8, max_device_bytes: int | None = None,
@@ -171,6 +187,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         return quantize_model(model, fmt.name, recipe.ignore)
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
+    _check_token_ids(model, calib_data)
     device = torch.device(device) if device else rank_device()
     linearize_experts(model)
     prefix, layers = find_decoder_layers(model)

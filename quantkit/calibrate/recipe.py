@@ -37,7 +37,7 @@ class Recipe:
     kv_cache: str | None = None
 
     def __post_init__(self) -> None:
-        from quantkit.calibrate.algorithms import check_options
+        from quantkit.calibrate.algorithms import build, check_options
 
         get_format(self.format)
         check_options(self.options)
@@ -47,6 +47,7 @@ class Recipe:
             raise ValueError(f"propagate must be 'quantized' or 'float', got {self.propagate!r}")
         if not self.algorithms:
             object.__setattr__(self, "algorithms", DEFAULT_ALGORITHMS.get(self.format, ("rtn",)))
+        build(list(self.algorithms), self.options)  # unknown names and two algorithms for one stage fail here
 
     @property
     def needs_data(self) -> bool:
