@@ -116,12 +116,17 @@ def quantize(
             report = run_quantize(lm, recipe, ids, device=device, batch_size=batch_size,
                                   progress=lambda done, total: bars.update(task, completed=done, total=total))
             bars.update(task, total=bars.tasks[task].total or 1, completed=bars.tasks[task].total or 1)
+            if not report.quantized:
+                reasons = sorted({r.reason for r in report.skipped})
+                fail(f"no layer was quantized: all {len(report.skipped)} Linear layers were skipped ({'; '.join(reasons)})")
             for r in report.quantized:  # sizes against the checkpoint's own dtype, not the FP32 working copy
                 r.bytes_before = math.prod(r.shape) * source_bytes
             if writer:
                 task = bars.add_task(f"writing {out}", total=None)
                 save(lm.to(torch.bfloat16), out, export=export, tokenizer=tokenizer)
                 bars.update(task, total=1, completed=1)
+    except typer.Exit:  # a RuntimeError too: fail() already said why
+        raise
     except (ValueError, RuntimeError, OSError) as err:
         fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     finally:

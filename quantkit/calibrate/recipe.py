@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from quantkit.formats import get_format
 from quantkit.nn.kv_cache import KV_CACHE_FORMATS
-from quantkit.nn.swap import DEFAULT_IGNORE
+from quantkit.nn.swap import DEFAULT_IGNORE, check_patterns
 
 # The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md); the other
 # formats round to nearest (mxfp8 since session 23: GPTQ gained nothing on Gemma-3-270M and lost
@@ -40,6 +40,7 @@ class Recipe:
         from quantkit.calibrate.algorithms import build, check_options
 
         get_format(self.format)
+        check_patterns(self.ignore)
         check_options(self.options)
         if self.kv_cache not in (None, *KV_CACHE_FORMATS):
             raise ValueError(f"unknown KV-cache format {self.kv_cache!r}; valid: {', '.join(KV_CACHE_FORMATS)}")

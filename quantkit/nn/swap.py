@@ -55,6 +55,16 @@ class QuantizationReport:
         return [r for r in self.layers if r.reason]
 
 
+def check_patterns(patterns: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming the first ``re:`` pattern that is not a valid regular expression."""
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as err:
+                raise ValueError(f"ignore pattern {p!r} is not a valid regular expression: {err}") from None
+
+
 def matches(name: str, patterns: Iterable[str]) -> bool:
     """True if module ``name`` matches a glob pattern or a ``re:``-prefixed regular expression."""
     for p in patterns:
@@ -85,6 +95,7 @@ def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
     fmt = get_format(fmt_name)
+    check_patterns(ignore)
     chosen, skipped = {}, []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
