@@ -97,6 +97,10 @@ def quantize(
         recipe = Recipe.parse(format, algo, ignore, kv_cache=kv_cache, options=_json_options(options))
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
+        if export == "modelopt":
+            from quantkit.export.modelopt import tensor_specs
+
+            tensor_specs(recipe.format)  # a format ModelOpt lacks fails now, not after calibration
         with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")

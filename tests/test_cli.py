@@ -71,6 +71,7 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     (["--options", '{"awq": 20}'], "options for awq must map parameter names to values"),
     (["--options", "{grid: 20}"], "--options is not valid JSON"),
     (["--ignore", "re:("], "ignore pattern 're:(' is not a valid regular expression"),
+    (["--format", "mxfp4", "--export", "modelopt"], "ModelOpt has no mxfp4 format"),
     (["--ignore", "*"], "no layer was quantized: all 15 Linear layers were skipped (ignored by pattern)"),
     (["--samples", "0"], "Invalid value for '--samples'"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),
