@@ -87,9 +87,11 @@ def quantize(
     from quantkit.calibrate import quantize as run_quantize
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.distributed import init_from_env, is_main
+    from quantkit.eval.commands import check_device
     from quantkit.export import FLAVOURS, save
     from quantkit.models import load_model
 
+    check_device(device)
     start = time.time()
     parallel = init_from_env()  # under torchrun: one rank per GPU, each calibrates on its shard of the batches
     writer = is_main()  # rank 0 (or the only process) writes and prints

@@ -97,6 +97,17 @@ def test_eval_and_bench_reject_malformed_numbers_before_any_work(tmp_path, args,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", [["quantize", "tiny"], ["eval", "tiny", "--tasks", "wikitext2_ppl"],
+                                     ["bench", "nvfp4", "--random-init", "tiny-llama"]])
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, monkeypatch, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = run(*command, "--device", "cuda", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "--device cuda: torch" in res.output and "sees no CUDA GPU" in res.output
+    assert not (tmp_path / "out").exists()
+    res = run(*command, "--device", "tpu", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "--device tpu: Expected one of cpu, cuda" in " ".join(res.output.split())
+
+
 def test_options_reach_the_algorithms(model_dir, tmp_path):
     # AutoRound with no steps keeps the MSE stage's round to nearest; its default 50 steps would not
     qweights = {}

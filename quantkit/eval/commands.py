@@ -27,9 +27,25 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def check_device(device: str | None) -> None:
+    """End the command with a clear error if ``--device`` names no device torch knows, or CUDA
+    where torch sees no GPU."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        _fail(f"--device {device}: {error}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        _fail(f"--device {device}: torch {torch.__version__} sees no CUDA GPU")
+
+
 def _default_device(device: str | None) -> str:
     import torch
 
+    check_device(device)
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
