@@ -27,6 +27,12 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _fail(message: str) -> NoReturn:
+    """Print a one-line error (its text as written, not Rich markup) and exit with status 2."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
 def check_device(device: str | None) -> None:
     """End the command with a clear error if ``--device`` names no device torch knows, or CUDA
     where torch sees no GPU."""
@@ -75,12 +81,6 @@ def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
         "versions": versions,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def _fail(message: str) -> NoReturn:
-    """Print a one-line error (its text as written, not Rich markup) and exit with status 2."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def _load_model(source: str, device: str) -> tuple[Any, Any]:
