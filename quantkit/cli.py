@@ -10,21 +10,14 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from quantkit.terminal import check_device, console, fail, wide
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Quantize Hugging Face models to NVFP4 / FP8 / MX, evaluate and benchmark them.")
-console = Console(stderr=True)
-
 FORMAT_HELP = "nvfp4 | nvfp4-4over6 | nvfp4-w4a16 | nvfp4-w4a8 | fp8-block | fp8-dynamic | fp8 | mxfp8 | mxfp4"
-
-
-def fail(message: str) -> None:
-    """Print a one-line error (its brackets as written, not Rich markup) and exit with status 2."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def _json_options(text: str | None) -> dict:
@@ -87,7 +80,6 @@ def quantize(
     from quantkit.calibrate import quantize as run_quantize
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.distributed import init_from_env, is_main
-    from quantkit.eval.commands import check_device
     from quantkit.export import FLAVOURS, save
     from quantkit.models import load_model
 
@@ -140,8 +132,7 @@ def quantize(
             dist.destroy_process_group()
     if not writer:
         return
-    # a log file gets whole layer names (rich folds to 80 columns where no terminal says its width)
-    (console if console.is_terminal else Console(stderr=True, width=160)).print(_summary(report, time.time() - start))
+    wide(console).print(_summary(report, time.time() - start))  # a log gets whole layer names
     console.print(f"wrote {out} ({export})")
 
 

@@ -13,39 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-console = Console(stderr=True)
+from quantkit.terminal import check_device, console, fail
 
 
 def _csv(text: str) -> list[str]:
     """The non-empty, stripped items of a comma-separated list."""
     return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _fail(message: str) -> NoReturn:
-    """Print a one-line error (its text as written, not Rich markup) and exit with status 2."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def check_device(device: str | None) -> None:
-    """End the command with a clear error if ``--device`` names no device torch knows, or CUDA
-    where torch sees no GPU."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as error:
-        _fail(f"--device {device}: {error}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        _fail(f"--device {device}: torch {torch.__version__} sees no CUDA GPU")
 
 
 def _default_device(device: str | None) -> str:
@@ -90,7 +68,7 @@ def _load_model(source: str, device: str) -> tuple[Any, Any]:
     try:
         return load_model(source, device=device)
     except ModelLoadError as error:
-        _fail(str(error))
+        fail(str(error))
 
 
 def _loader(source: str, fmt: str | None, device: str) -> Callable[[], tuple[Any, Any]]:
@@ -119,7 +97,7 @@ def _formats(text: str, *, allow_bf16: bool = False) -> list[str]:
             try:
                 get_format(name)
             except ValueError as error:
-                _fail(str(error))
+                fail(str(error))
     return names
 
 
@@ -197,7 +175,7 @@ def eval_command(
     limits = _limits(limit)
     harness_tasks = [task for task in task_list if task != PERPLEXITY_TASK]
     if harness_tasks and importlib.util.find_spec("lm_eval") is None:  # an extra
-        _fail(f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
+        fail(f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
               f"({PERPLEXITY_TASK} runs without it)")
     if harness_tasks:
         from quantkit.eval.accuracy import evaluate_tasks
@@ -216,7 +194,7 @@ def eval_command(
                 result = perplexity_scores(model, tokenizer, name=name, data_dir=data_dir, seq_len=seq_len,
                                            batch_size=batch_size, max_windows=windows)
         except (ConnectionError, FileNotFoundError) as error:  # offline hub, or a data file not found
-            _fail(f"cannot read the data of {', '.join(task_list)}: {error}. Offline, --data-dir DIR holding "
+            fail(f"cannot read the data of {', '.join(task_list)}: {error}. Offline, --data-dir DIR holding "
                   "lambada_test.jsonl and wiki.test.raw (any depth) runs lambada_openai, wikitext and "
                   f"{PERPLEXITY_TASK} from local files.")
         del model
@@ -289,7 +267,7 @@ def bench_command(
         try:
             config = load_config(random_init)
         except (FileNotFoundError, ValueError) as error:  # no such config, or not a config (JSON errors included)
-            _fail(f"--random-init {random_init}: {error}")
+            fail(f"--random-init {random_init}: {error}")
 
         def build(fmt: str):
             model = random_init_model(config, device=device)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from quantkit.terminal import wide
+
 if TYPE_CHECKING:  # annotations only: importing lm-eval takes seconds
     from quantkit.eval.bench import ModelBench
     from quantkit.eval.kernel_check import KernelCheck
@@ -189,12 +191,8 @@ def to_markdown(title: str, tables: dict[str, TableData], meta: dict[str, Any]) 
 
 
 def print_tables(tables: dict[str, TableData], console: Console | None = None) -> None:
-    """Print each table to the terminal with rich (160 columns where no terminal says its width:
-    rich would fold a log's cells to 80)."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
+    """Print each table with rich to ``console`` (default: stdout, 160 columns wide in a log)."""
+    console = console or wide(Console())
     for name, (headers, rows) in tables.items():
         table = Table(title=name)
         for header in headers:
