@@ -671,6 +671,42 @@ def test_gpu_gemv_epilogues_match_float64_and_the_gemm_path(m, epi):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("epi", [Epilogue(), Epilogue(bias=True, activation="gelu_tanh", residual=True),
+                                 Epilogue(activation="swiglu", residual=True)], ids=str)
+@pytest.mark.parametrize("m", [17, 65, 100, 129])
+def test_gpu_linear_reads_whole_token_tiles_and_matches_float64(m, epi):
+    """``fp8_block_linear`` beyond 16 tokens: act_quant writes tile-high operands (the rows past M
+    unwritten) and the GEMM computes M rows of them; equal to the float64 reference, output poisoned."""
+    n, k = 512, 1024
+    gen = torch.Generator("cuda").manual_seed(m + 43)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+    if epi.activation == "swiglu":
+        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    wq, ws = fp8.quantize(w, (128, 128))
+    n_out = n // 2 if epi.activation == "swiglu" else n
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
+    res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
+    rows = -(-m // fbg.pick_config(m, n, k, epi).tile_m) * fbg.pick_config(m, n, k, epi).tile_m
+    assert rows > m  # a partial last tile
+    q, s = aq.act_quant(x, rows=rows)
+    q0, s0 = aq.act_quant(x)
+    assert q.shape == (rows, k) and torch.equal(q[:m].view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:m], s0)
+    xq, xs = fp8_block_quant_f64(x.cpu())
+    ref = gemm_f64(xq.cuda(), xs.cuda(), wq, ws, epi, bias, res)
+    poisoned = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fbg.fp8_block_gemm(q, s, wq, ws, epi, bias, res, out=poisoned, m=m)
+    assert not got.isnan().any() and _rel(got, ref.to(torch.bfloat16)) < 1e-3
+    assert torch.equal(fbg.fp8_block_linear(x, wq, ws, epi, bias, res), got)
+
+
+def test_gemm_rows_argument_is_checked():
+    x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="m=5 outside the 4 rows of x"):
+        fbg.fp8_block_gemm(x, torch.ones(4, 1), torch.zeros(64, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), m=5)
+
+
+@pytest.mark.gpu
 def test_gpu_linear_op_one_graph_for_every_m_and_cuda_graph_decode():
     """``quantkit::fp8_block_linear`` under torch.compile (dynamic M across the GEMV/GEMM switch: one
     graph) and captured in a CUDA graph at M = 1 (the GEMV)."""

@@ -101,8 +101,9 @@ class ActQuantSm90:
         x_ptr: cutlass.Int64,  # bf16 [M, K] row-major
         w_ptr: cutlass.Int64,  # bf16 [K] RMSNorm weight (0 without RMSNorm)
         q_ptr: cutlass.Int64,  # fp8 [M, K] row-major
-        s_ptr: cutlass.Int64,  # fp32 [M, K/128], M-major with leading dim roundup(M, 4)
+        s_ptr: cutlass.Int64,  # fp32 [M, K/128], M-major with leading dim ld (>= roundup(M, 4), a multiple of 4)
         m: cutlass.Int32,
+        ld: cutlass.Int32,
         k: cutlass.Int32,
         span: cutlass.Int32,  # groups per CTA: K/128 (whole rows; required with RMSNorm) or 4
         eps: cutlass.Float32,
@@ -110,11 +111,11 @@ class ActQuantSm90:
     ):
         gmem = cute.AddressSpace.gmem
         k = cute.assume(k, divby=GROUP)
-        m4 = (m + 3) // 4 * 4
+        ld = cute.assume(ld, divby=4)
         mX = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, x_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
         mW = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, w_ptr, gmem, assumed_align=16), cute.make_layout((k,)))
         mQ = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, q_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
-        mS = cute.make_tensor(cute.make_ptr(cutlass.Float32, s_ptr, gmem, assumed_align=16), cute.make_layout((m, k // GROUP), stride=(1, m4)))
+        mS = cute.make_tensor(cute.make_ptr(cutlass.Float32, s_ptr, gmem, assumed_align=16), cute.make_layout((m, k // GROUP), stride=(1, ld)))
         grid = (m, (k // GROUP + span - 1) // span, 1)
         self.kernel(mX, mW, mQ, mS, span, eps).launch(grid=grid, block=(32 * _WARPS, 1, 1), stream=stream)
 
@@ -190,14 +191,14 @@ class ActQuantSm90:
 
 def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled :class:`ActQuantSm90` (through :mod:`quantkit.kernels.cache`); the executor takes
-    ``(x, norm_weight, q, scale)`` data pointers, ``M, K``, the groups per CTA (``K/128`` with
+    ``(x, norm_weight, q, scale)`` data pointers, ``M``, the scales' leading dimension, ``K``, the groups per CTA (``K/128`` with
     RMSNorm), ``eps`` and a ``cuda.CUstream`` (with
     ``tvm_ffi``, CuTeDSL's apache-tvm-ffi calling convention, the stream handle as an int)."""
     from cutlass.cute.runtime import make_fake_stream
 
     from quantkit.kernels.cache import compile_kernel
 
-    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, GROUP, 1, 1e-6,
+    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, 4, GROUP, 1, 1e-6,
                           make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
@@ -207,17 +208,24 @@ def _executor(rmsnorm: bool, tvm_ffi: bool):
     return compile_act_quant(rmsnorm, tvm_ffi=tvm_ffi)
 
 
-def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+              rows: int | None = None):
     """fp8-block quantization of bf16 ``x[M, K]`` (K divisible by 128) on the GPU, optionally
     after RMSNorm with bf16 ``norm_weight[K]``: returns (float8_e4m3fn ``[M, K]``, FP32 scales
-    ``[M, K/128]`` M-major), equal to :func:`act_quant_reference`."""
+    ``[M, K/128]`` M-major), equal to :func:`act_quant_reference`. With ``rows`` (>= M) both
+    come back ``rows`` high with the rows past M unwritten: the operands of a GEMM that reads whole
+    token tiles (:func:`.fp8_block_gemm.fp8_block_gemm` with ``m=M``)."""
     m, k = x.shape
+    rows = m if rows is None else rows
     if x.dtype != torch.bfloat16 or k % GROUP:
         raise ValueError(f"expected bf16 x[M, K] with K divisible by {GROUP}; got {x.dtype} {tuple(x.shape)}")
     if norm_weight is not None and tuple(norm_weight.shape) != (k,):
         raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(k // GROUP, -(-m // 4) * 4, dtype=torch.float32, device=x.device)[:, :m].t()
+    if rows < m:
+        raise ValueError(f"rows={rows} is fewer than the {m} rows of x")
+    ld = -(-rows // 4) * 4
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(k // GROUP, ld, dtype=torch.float32, device=x.device)[:, :rows].t()
     if m == 0:
         return q, scale
     x = x.contiguous()
@@ -225,7 +233,7 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
     tvm_ffi = use_tvm_ffi()
     fn = _executor(norm_weight is not None, tvm_ffi)
     span = k // GROUP if w is not None or m > SPLIT_ROWS else _WARPS
-    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, span, eps,
+    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, ld, k, span, eps,
        launch_stream(x.device, tvm_ffi))
     return q, scale
 

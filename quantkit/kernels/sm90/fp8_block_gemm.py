@@ -138,15 +138,16 @@ class Fp8BlockGemmSm90:
     @cute.jit
     def __call__(
         self,
-        a_ptr: cutlass.Int64,  # x        [M, K]          fp8, row-major
+        a_ptr: cutlass.Int64,  # x        [x_rows, K]     fp8, row-major (rows past M: whole token tiles, unread output)
         b_ptr: cutlass.Int64,  # w        [N', K]         fp8, row-major
-        sa_ptr: cutlass.Int64,  # x_scale [M, K/128]      fp32, M-major with leading dim roundup(M, 4)
+        sa_ptr: cutlass.Int64,  # x_scale [x_rows, K/128] fp32, M-major with leading dim roundup(x_rows, 4)
         sb_ptr: cutlass.Int64,  # w_scale [ceil(N'/128), K/128] fp32, row-major
         d_ptr: cutlass.Int64,  # out      [M, N]          bf16 (fp8 with requant), row-major
         bias_ptr: cutlass.Int64,  # bias  [N']            bias_dtype (0 if unused)
         res_ptr: cutlass.Int64,  # residual [M, N]        bf16 (0 if unused)
         ds_ptr: cutlass.Int64,  # requant scales [M, N/128] fp32, M-major like x_scale (0 if unused)
         m: cutlass.Int32,
+        x_rows: cutlass.Int32,  # rows of x and x_scale the TMA loads may read (>= m)
         n: cutlass.Int32,  # N' (weight rows)
         k: cutlass.Int32,
         stream: cuda.CUstream,
@@ -156,11 +157,12 @@ class Fp8BlockGemmSm90:
         n = cute.assume(n, divby=64)
         kb = k // BLOCK
         m4 = (m + 3) // 4 * 4
+        x_rows4 = (x_rows + 3) // 4 * 4
         n_out = n // 2 if self.swiglu else n
         fp8 = cutlass.Float8E4M3FN
-        mA = cute.make_tensor(cute.make_ptr(fp8, a_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
+        mA = cute.make_tensor(cute.make_ptr(fp8, a_ptr, gmem, assumed_align=16), cute.make_layout((x_rows, k), stride=(k, 1)))
         mB = cute.make_tensor(cute.make_ptr(fp8, b_ptr, gmem, assumed_align=16), cute.make_layout((n, k), stride=(k, 1)))
-        mSA = cute.make_tensor(cute.make_ptr(cutlass.Float32, sa_ptr, gmem, assumed_align=16), cute.make_layout((m, kb), stride=(1, m4)))
+        mSA = cute.make_tensor(cute.make_ptr(cutlass.Float32, sa_ptr, gmem, assumed_align=16), cute.make_layout((x_rows, kb), stride=(1, x_rows4)))
         mSB = cute.make_tensor(
             cute.make_ptr(cutlass.Float32, sb_ptr, gmem, assumed_align=4), cute.make_layout(((n + BLOCK - 1) // BLOCK, kb), stride=(kb, 1))
         )
@@ -743,7 +745,7 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
     """Compiled kernel for one (config, epilogue, bias dtype, SM count), through :mod:`..cache`.
 
     The executor takes ``(x, w, x_scale, w_scale, out, bias, residual, out_scale)`` data pointers
-    (0 for unused), ``M, N', K`` and a ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi
+    (0 for unused), ``M``, the rows of ``x`` its loads may read (>= M), ``N', K`` and a ``cuda.CUstream`` (with ``tvm_ffi``, CuTeDSL's apache-tvm-ffi
     calling convention, the stream handle as an int); ``M`` is dynamic."""
     from cutlass.cute.runtime import make_fake_stream
 
@@ -754,7 +756,7 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
         cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
     )
     key = ("sm90.fp8_block_gemm", config, epilogue, bias_fp32, num_sms)
-    return compile_kernel(key, kernel, *([0] * 8), BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options,
+    return compile_kernel(key, kernel, *([0] * 8), BLOCK, BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options,
                           tvm_ffi=tvm_ffi)
 
 
@@ -778,7 +780,7 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
-                   config: TileConfig | None = None, out=None):
+                   config: TileConfig | None = None, out=None, m: int | None = None):
     """fp8-block GEMM + ``epilogue`` on a Hopper GPU (see the module docstring for the math).
 
     ``x`` float8_e4m3fn ``[M, K]``, ``x_scale`` FP32 ``[M, K/128]`` (any strides; M-major from
@@ -787,14 +789,19 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     Returns bf16 ``[M, N]`` (``N = N'/2`` for swiglu), or with ``requant="fp8-block"`` the pair
     (float8_e4m3fn ``[M, N]``, FP32 scales ``[M, N/128]`` in the M-major layout). K must divide by
     128 and N' by 64 (by 128 for swiglu and requant). ``out``: an optional contiguous output buffer
-    (bf16 only) to write into; ``config`` overrides the dispatch table."""
-    m, k = x.shape
+    (bf16 only) to write into; ``config`` overrides the dispatch table. ``m``: the rows to compute
+    where ``x`` and ``x_scale`` hold more (``act_quant(..., rows=)``: whole token tiles, which
+    the TMA loads read faster than a tile partly past the last row); residual and outputs have ``m``."""
+    x_rows, k = x.shape
+    m = x_rows if m is None else m
     n = w.shape[0]
+    if not 0 <= m <= x_rows:
+        raise ValueError(f"m={m} outside the {x_rows} rows of x")
     if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn or w.shape[1] != k:
         raise ValueError(f"expected float8_e4m3fn x[M, K], w[N, K]; got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
     if k % BLOCK or n % 64 or ((epilogue.activation == "swiglu" or epilogue.requant) and n % (2 * BLOCK if epilogue.activation == "swiglu" else BLOCK)):
         raise ValueError(f"unsupported shape N'={n}, K={k} for {epilogue}")
-    if tuple(x_scale.shape) != (m, k // BLOCK) or tuple(w_scale.shape) != (-(-n // BLOCK), k // BLOCK):
+    if tuple(x_scale.shape) != (x_rows, k // BLOCK) or tuple(w_scale.shape) != (-(-n // BLOCK), k // BLOCK):
         raise ValueError(f"scale shapes {tuple(x_scale.shape)}, {tuple(w_scale.shape)} do not match x {tuple(x.shape)}, w {tuple(w.shape)}")
     n_out = n // 2 if epilogue.activation == "swiglu" else n
     requant = epilogue.requant is not None
@@ -811,8 +818,8 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     tvm_ffi = use_tvm_ffi()
     fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, n, k,
-       launch_stream(x.device, tvm_ffi))
+    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, x_rows, n,
+       k, launch_stream(x.device, tvm_ffi))
     return (out, out_scale) if requant else out
 
 
@@ -859,7 +866,12 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs and is the faster
     (:func:`.fp8_block_gemv.use_gemv`: up to 8 tokens, or 16 on one-wave weights), else the
     activation quantization (:mod:`.act_quant`) and :func:`fp8_block_gemm`. Both compute the same
-    function; operands as :func:`fp8_block_gemm`."""
+    function; operands as :func:`fp8_block_gemm`.
+
+    Beyond 16 tokens the quantized activations are allocated in whole token tiles (the GEMM's TMA
+    loads of a tile partly past M run slowly: H100, session 25, the GEMM on tile-padded rows 4096x14336
+    at M = 65 33 µs against 52, at M = 129 48 against 68; 6144x4096 at M = 17 12 against 17;
+    28672x4096 at M = 17-100 within 2 µs either way)."""
     from quantkit.kernels.sm90 import fp8_block_gemv
     from quantkit.kernels.sm90.act_quant import act_quant
 
@@ -867,7 +879,9 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     n = w.shape[0]
     if fp8_block_gemv.use_gemv(m, n, k, epilogue, _num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
-    return fp8_block_gemm(*act_quant(x), w, w_scale, epilogue, bias, residual)
+    tile_m = pick_config(m, n, k, epilogue).tile_m
+    rows = -(-m // tile_m) * tile_m if m > 16 else m  # the padded M stays in its dispatch bucket
+    return fp8_block_gemm(*act_quant(x, rows=rows), w, w_scale, epilogue, bias, residual, m=m)
 
 
 @kernel_op("quantkit::fp8_block_linear")
