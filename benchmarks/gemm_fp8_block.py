@@ -10,13 +10,16 @@ times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each
 ``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, unroll16, early_bias) times only those rows, each
 dispatch config against those variants;
 ``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
-quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm).
+quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm). ``--partial-tiles`` times only
+``fp8_block_linear`` at token counts whose last tile is partial (its operands tile-high) against the
+same act_quant + GEMM on x's own rows and bf16, 3 interleaved rounds.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from quantkit.formats import fp8
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.sm90 import act_quant as aq
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg
-from timing import graph_median_us  # noqa: E402  (benchmarks/timing.py)
+from timing import graph_median_us, interleaved_us  # noqa: E402  (benchmarks/timing.py)
 
 L2_BYTES = 60 << 20
 SQUARE = [(8192, 8192, 8192)]
@@ -141,6 +144,34 @@ class Problem:
             return float("nan")
 
 
+PARTIAL_M = (17, 33, 65, 100, 129, 200)
+
+
+def partial_tiles(gen: torch.Generator) -> list[dict]:
+    """``fp8_block_linear`` (act_quant into tile-high operands, the GEMM on whole token tiles)
+    against act_quant + ``fp8_block_gemm`` on x's own rows and bf16 ``F.linear``, on the Llama
+    shapes at :data:`PARTIAL_M` tokens; after a float64 check of the linear path."""
+    out = []
+    for n, k in sorted({(n, k) for n, k, _ in LLAMA}):
+        w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
+        wq, ws = fp8.quantize(w, (128, 128))
+        wb = w.to(torch.bfloat16)
+        for m in PARTIAL_M:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+            xq, xs = fp8.quantize(x.float(), (1, 128))
+            err = rel(fbg.fp8_block_linear(x, wq, ws), gemm_f64(xq, xs, wq, ws).to(torch.bfloat16))
+            assert err < 1e-3, (m, n, k, err)
+            us = interleaved_us({"linear": [lambda: fbg.fp8_block_linear(x, wq, ws)],
+                                 "own rows": [lambda: fbg.fp8_block_gemm(*aq.act_quant(x), wq, ws)],
+                                 "bf16": [lambda: torch.nn.functional.linear(x, wb)]})
+            row = dict(m=m, n=n, k=k, err=err, **{label: statistics.median(t) for label, t in us.items()})
+            out.append(row)
+            print(f"M={m:4d} N={n:6d} K={k:6d}: linear {row['linear']:7.1f} us, own rows {row['own rows']:7.1f} us, "
+                  f"bf16 {row['bf16']:7.1f} us: x{row['own rows'] / row['linear']:.2f} own rows, "
+                  f"x{row['bf16'] / row['linear']:.2f} bf16", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -153,6 +184,8 @@ def main() -> None:
                         help=f"with --tune-rows: time each row's dispatch config against these variants ({', '.join(AB_VARIANTS)}; "
                              "a+b combines two) (also for the epilogue rows), and stop after those rows")
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
+    parser.add_argument("--partial-tiles", action="store_true",
+                        help="only: fp8_block_linear at partial-tile token counts vs the GEMM on x's own rows")
     parser.add_argument("--rounds", type=int, default=1, help="time the epilogue rows' variants this many times, interleaved")
     args = parser.parse_args()
     if args.ab and args.tune_rows is None:
@@ -161,6 +194,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --ab variant(s) {sorted(unknown)}; choose from {sorted(AB_VARIANTS)}")
     gen = torch.Generator("cuda").manual_seed(0)
+    if args.partial_tiles:
+        rows = partial_tiles(gen)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "partial_tiles.json").write_text(json.dumps(rows, indent=1))
+        return
     results = {"device": torch.cuda.get_device_name(), "rows": [], "tune": {}, "epilogue": [], "act_quant": []}
 
     rows = [] if args.act_quant else SQUARE + DSV3 + LLAMA + UNFUSED
