@@ -487,6 +487,46 @@ def run_gemv_stages_ab(shapes, fh):
     return rows
 
 
+PAD_MS = (33, 47, 65, 100, 129, 200, 300)
+
+
+def run_pad_ab(shapes, fh):
+    """W4A16 at token counts whose last tile is partial: the default route (a tile-high copy of x
+    where :func:`ng.tma_rows` says) against the same kernel reading x's own rows, beside bf16;
+    3 interleaved rounds, after a float64 check of the default route."""
+    from quantkit.kernels.cache import launch_stream
+
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            qw = quantized(n, k, seed=n + k)
+            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+            n_pad = preps[0].row_exp.shape[0]
+            for m in PAD_MS:
+                cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False)
+                if ng.tma_rows(m, cfg, False) == m:
+                    continue  # no padding: nothing to compare
+                unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m)
+                assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+                def own_rows(p, x=x, out=out, fn=fn, m=m):
+                    fn(x.data_ptr(), p.tiles.data_ptr(), p.row_exp.data_ptr(), 0, p.tensor_scale.data_ptr(),
+                       out.data_ptr(), 0, 0, 0, 0, m, m, n_pad, n, k, launch_stream(x.device, False))
+
+                us = interleaved_us({"padded (default)": [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps],
+                                     "own rows": [lambda p=p: own_rows(p) for p in preps],
+                                     "bf16": [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]})
+                row = {"shape": f"{name} {n}x{k}", "m": m, "config": str(cfg), "us": us}
+                rows.append(row)
+                log("PAD " + json.dumps(row), fh)
+            del preps, bf16s
+            torch.cuda.empty_cache()
+    return rows
+
+
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
               ("70b", 57344, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
@@ -634,6 +674,8 @@ def main():
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--gemv-stages-ab", action="store_true",
                     help="only: the GEMV rule's config vs 2/3/4 ring stages over --shapes (wave counts)")
+    ap.add_argument("--pad-ab", action="store_true",
+                    help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
@@ -654,6 +696,10 @@ def main():
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:
             (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
+        return
+    if args.pad_ab:
+        with open(out / "pad.log", "w") as fh:
+            (out / "pad.json").write_text(json.dumps(run_pad_ab(args.shapes, fh), indent=1))
         return
     if args.gemv_stages_ab:
         with open(out / "stages.log", "w") as fh:

@@ -456,8 +456,10 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     assert stages == {(4096, 4096, "identity"): 8, (4096, 4096, "swiglu"): 3, (4096, 14336, "identity"): 8,
                       (4096, 14336, "swiglu"): 8, (28672, 4096, "identity"): 5, (28672, 4096, "swiglu"): 3,
                       (10240, 8192, "identity"): 5, (10240, 8192, "swiglu"): 8}
-    rows = {m: ng.tma_rows(m, ng.pick_config(m, 28672, 4096, Epilogue(), False), False) for m in (20, 33, 47, 48, 64, 65, 95, 96, 200)}
-    assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 200: 200}
+    rows = {m: ng.tma_rows(m, ng.pick_config(m, 28672, 4096, Epilogue(), False), False)
+            for m in (20, 33, 47, 48, 64, 65, 95, 96, 129, 200, 224, 300, 600)}
+    assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 129: 256, 200: 256, 224: 224,
+                    300: 384, 600: 600}
     assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
     assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
 
@@ -503,7 +505,7 @@ def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 80, 257, 4096])  # 80: W4A16 reads a padded copy of x
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 80, 257, 4096])  # 80, 257: W4A16 reads a padded copy of x
 def test_gpu_matches_float64_reference(mode, m):
     out, ref = _gpu_case(m, 1000, 2048, Epilogue(), seed=m, mode=mode)
     assert torch.isfinite(out).all()

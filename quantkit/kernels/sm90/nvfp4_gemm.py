@@ -984,14 +984,15 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 
 
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
-    """Activation rows the kernel's TMA box reads for ``m`` tokens: the whole tile (the caller
-    pads a copy of x) where W4A16 runs one unsplit 64- or 128-token tile over a quarter of which
-    lies past M, else ``m``. Such mostly-out-of-bounds loads run slowly (H100, session 25:
+    """Activation rows the kernel's TMA box reads for ``m`` tokens: whole token tiles (the caller
+    pads a copy of x) where W4A16 runs unsplit 64- or 128-token tiles, at most 4 of them, the last
+    over a quarter empty; else ``m``. Such mostly-out-of-bounds loads run slowly (H100, session 25:
     28672x4096 at M = 33 52 µs, through the padded copy 41 µs; 8192x28672 at M = 65 142 vs 99 µs;
     within 1.5 µs either way nearer a full tile; 16/32-token tiles and K-split grids lose the
-    copy's 1-2 µs)."""
-    if not w4a8 and config.bn >= 64 and config.splits == 1 and 4 * (config.bn - m) > config.bn:
-        return config.bn
+    copy's 1-2 µs; the fp8-block GEMM's partial last tiles of 2-tile grids cost up to 58 %)."""
+    rows = -(-m // config.bn) * config.bn
+    if not w4a8 and config.bn >= 64 and config.splits == 1 and rows <= 4 * config.bn and 4 * (rows - m) > config.bn:
+        return rows
     return m
 
 
