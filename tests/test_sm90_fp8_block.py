@@ -676,7 +676,10 @@ def test_gpu_gemv_epilogues_match_float64_and_the_gemm_path(m, epi):
 @pytest.mark.parametrize("m", [17, 65, 100, 129])
 def test_gpu_linear_reads_whole_token_tiles_and_matches_float64(m, epi):
     """``fp8_block_linear`` beyond 16 tokens: act_quant writes tile-high operands (the rows past M
-    unwritten) and the GEMM computes M rows of them; equal to the float64 reference, output poisoned."""
+    unwritten) and the GEMM computes M rows of them: bit-equal to the GEMM on x's own rows and near
+    the float64 reference, output poisoned. SwiGLU (fast-math sigmoid) measured up to 1.12e-3
+    from the rounded reference at M = 17 and 1.06e-3 at M = 65, the GEMM on x's own rows alike
+    (H200, session 26, 6 seeds each); GELU-tanh with bias and residual up to 0.65e-3."""
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 43)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
@@ -696,7 +699,8 @@ def test_gpu_linear_reads_whole_token_tiles_and_matches_float64(m, epi):
     ref = gemm_f64(xq.cuda(), xs.cuda(), wq, ws, epi, bias, res)
     poisoned = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = fbg.fp8_block_gemm(q, s, wq, ws, epi, bias, res, out=poisoned, m=m)
-    assert not got.isnan().any() and _rel(got, ref.to(torch.bfloat16)) < 1e-3
+    assert not got.isnan().any() and torch.equal(got, fbg.fp8_block_gemm(q0, s0, wq, ws, epi, bias, res))
+    assert _rel(got, ref.to(torch.bfloat16)) < (1.5e-3 if epi.activation == "swiglu" else 1e-3)
     assert torch.equal(fbg.fp8_block_linear(x, wq, ws, epi, bias, res), got)
 
 

@@ -985,13 +985,18 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: whole token tiles (the caller
-    pads a copy of x) where W4A16 runs unsplit 64- or 128-token tiles, at most 4 of them, the last
-    over a quarter empty; else ``m``. Such mostly-out-of-bounds loads run slowly (H100, session 25:
-    28672x4096 at M = 33 52 µs, through the padded copy 41 µs; 8192x28672 at M = 65 142 vs 99 µs;
-    within 1.5 µs either way nearer a full tile; 16/32-token tiles and K-split grids lose the
-    copy's 1-2 µs; the fp8-block GEMM's partial last tiles of 2-tile grids cost up to 58 %)."""
+    pads a copy of x) where W4A16 runs unsplit 64- or 128-token tiles whose last is over a quarter
+    empty, and, beyond one tile, at most 4 tiles on one warpgroup or a last tile over three
+    quarters empty; else ``m``. Such mostly-out-of-bounds loads run slowly, the padded copy costs
+    1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through the copy 41 µs; 16/32-token
+    tiles and K-split grids lose the copy's time. H200, session 26: one tile 0.61-0.89x the time
+    from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and 300 one warpgroup 0.79-0.87x, two
+    warpgroups 0.93-1.08x)."""
     rows = -(-m // config.bn) * config.bn
-    if not w4a8 and config.bn >= 64 and config.splits == 1 and rows <= 4 * config.bn and 4 * (rows - m) > config.bn:
+    empty = rows - m
+    if w4a8 or config.bn < 64 or config.splits > 1 or 4 * empty <= config.bn:
+        return m
+    if rows == config.bn or (rows <= 4 * config.bn and (config.warpgroups == 1 or 4 * empty > 3 * config.bn)):
         return rows
     return m
 
