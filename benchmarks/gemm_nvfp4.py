@@ -201,6 +201,16 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
+def weight_copies(n: int, k: int, *, swiglu: bool = False, bf16: bool = True):
+    """Rotating copies of the random NVFP4 weight ``[n, k]`` (seed ``n + k``), as many as overflow
+    the L2 (:func:`copies_for`): ``(qw, preps, bf16s)``, ``preps`` laid out for our kernels and
+    ``bf16s`` dequantized for cuBLAS (empty without ``bf16``)."""
+    qw = quantized(n, k, seed=n + k, swiglu=swiglu)
+    preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+    bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))] if bf16 else []
+    return qw, preps, bf16s
+
+
 def load_quack():
     try:
         from quack.gemm_w4 import gemm_w4a16, prepare_w4_weight
@@ -288,8 +298,7 @@ def run_variants(shapes, fh, ms=(1, 16)):
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
-            qw = quantized(n, k, seed=n + k)
-            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            qw, preps, _ = weight_copies(n, k, bf16=False)
             n_pad = preps[0].row_exp.shape[0]
             for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -316,9 +325,7 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
-            qw = quantized(n, k, seed=n + k)
-            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
-            bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+            _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -399,8 +406,7 @@ def run_gemv_tune(shapes, fh, deadline):
             if time.time() > deadline:
                 log(f"gemv tune deadline: skipping {name} {n}x{k}", fh)
                 continue
-            qw = quantized(n, k, seed=n + k)
-            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+            qw, preps, _ = weight_copies(n, k, bf16=False)
             n_pad = preps[0].row_exp.shape[0]
             for m in (1, 8):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -430,8 +436,7 @@ def run_gemv_ab(fh):
     configs, incl. the fused SwiGLU gate_up shapes; 3 interleaved rounds (median of each round)."""
     rows = []
     for n, k, epi in AB_CASES:
-        qw = quantized(n, k, seed=n + k, swiglu=epi.activation == "swiglu")
-        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+        qw, preps, _ = weight_copies(n, k, swiglu=epi.activation == "swiglu", bf16=False)
         n_pad = preps[0].row_exp.shape[0]
         tiles = 2 if epi.activation == "swiglu" else 1
         for m in (1, 8):
@@ -462,9 +467,7 @@ def run_gemv_stages_ab(shapes, fh):
     cases = [(n, k, Epilogue()) for name in shapes for n, k in SHAPES[name]]
     cases += [(n, k, Epilogue(activation="swiglu")) for n, k, _ in cases if n >= 4 * k]  # gate_up
     for n, k, epi in cases:
-        qw = quantized(n, k, seed=n + k, swiglu=epi.activation == "swiglu")
-        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
-        bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+        qw, preps, bf16s = weight_copies(n, k, swiglu=epi.activation == "swiglu")
         n_pad = preps[0].row_exp.shape[0]
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -499,9 +502,7 @@ def run_pad_ab(shapes, fh):
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
-            qw = quantized(n, k, seed=n + k)
-            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
-            bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+            _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in PAD_MS:
                 cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False)
@@ -564,8 +565,7 @@ def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES
         if time.time() > deadline:
             log(f"tune deadline: skipping {name} {n}x{k}", fh)
             continue
-        qw = quantized(n, k, seed=n + k)
-        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k // 2 + n * k // 16))]
+        _, preps, _ = weight_copies(n, k, bf16=False)
         n_pad = preps[0].row_exp.shape[0]
         for m in ms:
             if n == 57344 and m not in (1, 64):
@@ -625,10 +625,7 @@ def run_floors(fh) -> list[dict]:
     rows = []
     shapes = [(128, 128)] + [nk for name in ("8b", "70b") for nk in SHAPES[name]]
     for n, k in shapes:
-        qw = quantized(n, k, seed=n + k)
-        nw = copies_for(n * k * 9 // 16)
-        preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(nw)]
-        bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+        _, preps, bf16s = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         dst = torch.empty_like(preps[0].tiles)
         row = {"n": n, "k": k, "bytes": preps[0].tiles.numel()}

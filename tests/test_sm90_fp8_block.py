@@ -614,10 +614,9 @@ def _check_one_graph_and_cuda_graph(layer, k, gen, ms, graph_m):
     assert math.isfinite(static_out.float().sum().item())
 
 
-def _gemv_inputs(m, n, k, gen, epi):
-    """bf16 activations (token 0's first group all zero: the scale-1 rule), fp8-block weights."""
-    x = torch.randn(m, k, generator=gen, device="cuda") * (1 + 20 * (torch.rand(m, k, generator=gen, device="cuda") < 0.01))
-    x[0, :128] = 0
+def _epilogue_operands(m, n, k, gen, epi):
+    """fp8-block weights ``[n, k]`` (gate/up interleaved for SwiGLU) and, where ``epi`` has them,
+    a bf16 bias and residual: ``(wq, ws, bias, res)``."""
     w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
     if epi.activation == "swiglu":
         w = interleave_gate_up(w[: n // 2], w[n // 2:])
@@ -625,7 +624,14 @@ def _gemv_inputs(m, n, k, gen, epi):
     n_out = n // 2 if epi.activation == "swiglu" else n
     bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
     res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
-    return x.to(torch.bfloat16), wq, ws, bias, res
+    return wq, ws, bias, res
+
+
+def _gemv_inputs(m, n, k, gen, epi):
+    """bf16 activations (token 0's first group all zero: the scale-1 rule), fp8-block weights."""
+    x = torch.randn(m, k, generator=gen, device="cuda") * (1 + 20 * (torch.rand(m, k, generator=gen, device="cuda") < 0.01))
+    x[0, :128] = 0
+    return (x.to(torch.bfloat16), *_epilogue_operands(m, n, k, gen, epi))
 
 
 @pytest.mark.gpu
@@ -683,14 +689,10 @@ def test_gpu_linear_reads_whole_token_tiles_and_matches_float64(m, epi):
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 43)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
-    if epi.activation == "swiglu":
-        w = interleave_gate_up(w[: n // 2], w[n // 2:])
-    wq, ws = fp8.quantize(w, (128, 128))
+    wq, ws, bias, res = _epilogue_operands(m, n, k, gen, epi)
     n_out = n // 2 if epi.activation == "swiglu" else n
-    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
-    res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
-    rows = -(-m // fbg.pick_config(m, n, k, epi).tile_m) * fbg.pick_config(m, n, k, epi).tile_m
+    tile_m = fbg.pick_config(m, n, k, epi).tile_m
+    rows = -(-m // tile_m) * tile_m
     assert rows > m  # a partial last tile
     q, s = aq.act_quant(x, rows=rows)
     q0, s0 = aq.act_quant(x)
