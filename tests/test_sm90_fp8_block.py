@@ -710,6 +710,8 @@ def test_gemm_rows_argument_is_checked():
     x = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="m=5 outside the 4 rows of x"):
         fbg.fp8_block_gemm(x, torch.ones(4, 1), torch.zeros(64, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), m=5)
+    with pytest.raises(ValueError, match="rows=3 is fewer than the 4 rows of x"):
+        aq.act_quant(torch.zeros(4, 128, dtype=torch.bfloat16), rows=3)
 
 
 @pytest.mark.gpu
