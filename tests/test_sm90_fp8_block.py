@@ -495,14 +495,9 @@ def _check_epilogue(m, epi, config=None, bias_dtype=torch.bfloat16):
     n, k = 512, 1024
     gen = torch.Generator("cuda").manual_seed(m + 11)
     x = torch.randn(m, k, generator=gen, device="cuda")
-    w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
-    if epi.activation == "swiglu":
-        w = interleave_gate_up(w[: n // 2], w[n // 2:])
+    wq, ws, bias, res = _epilogue_operands(m, n, k, gen, epi, bias_dtype)
     xq, xs = fp8.quantize(x, (1, 128))
-    wq, ws = fp8.quantize(w, (128, 128))
     n_out = n // 2 if epi.activation == "swiglu" else n
-    bias = torch.randn(n, generator=gen, device="cuda").to(bias_dtype) if epi.bias else None
-    res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
     ref = gemm_f64(xq, xs, wq, ws, epi, bias, res)
     poisoned = None if epi.requant else torch.full((m, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = fbg.fp8_block_gemm(xq, xs, wq, ws, epi, bias, res, out=poisoned, config=config)
@@ -614,15 +609,15 @@ def _check_one_graph_and_cuda_graph(layer, k, gen, ms, graph_m):
     assert math.isfinite(static_out.float().sum().item())
 
 
-def _epilogue_operands(m, n, k, gen, epi):
+def _epilogue_operands(m, n, k, gen, epi, bias_dtype=torch.bfloat16):
     """fp8-block weights ``[n, k]`` (gate/up interleaved for SwiGLU) and, where ``epi`` has them,
-    a bf16 bias and residual: ``(wq, ws, bias, res)``."""
+    a ``bias_dtype`` bias and a bf16 residual: ``(wq, ws, bias, res)``."""
     w = torch.randn(n, k, generator=gen, device="cuda") * 0.05
     if epi.activation == "swiglu":
         w = interleave_gate_up(w[: n // 2], w[n // 2:])
     wq, ws = fp8.quantize(w, (128, 128))
     n_out = n // 2 if epi.activation == "swiglu" else n
-    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if epi.bias else None
+    bias = torch.randn(n, generator=gen, device="cuda").to(bias_dtype) if epi.bias else None
     res = torch.randn(m, n_out, generator=gen, device="cuda").to(torch.bfloat16) if epi.residual else None
     return wq, ws, bias, res
 
