@@ -872,7 +872,7 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     loads of a tile partly past M run slowly: H100, session 25, the GEMM on tile-padded rows 4096x14336
     at M = 65 33 µs against 52, at M = 129 48 against 68; 6144x4096 at M = 17 12 against 17;
     28672x4096 at M = 17-100 within 2 µs either way; H200, session 26, the whole linear on Llama-3-8B
-    shapes at M = 17-200: 1.00-1.66x faster than on x's own rows)."""
+    shapes at M = 17-200: as fast to 1.66x faster than on x's own rows)."""
     from quantkit.kernels.sm90 import fp8_block_gemv
     from quantkit.kernels.sm90.act_quant import act_quant
 
