@@ -5,7 +5,8 @@ checked on fresh random-normal inputs against float64 math (output poisoned with
 launch). Times are medians over CUDA-graph replays (CUDA events), with inputs rotated across enough
 copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
-candidate tile config per shape and prints the dispatch table it implies; ``--tune-rows M`` instead
+candidate tile config per shape and prints the dispatch table it implies (``--tune-ms M ...``: at
+those token counts only, e.g. between two buckets' tuning points); ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
 ``--tune-rows M --ab VARIANT ...`` (defer, unroll, tanh, unroll16, early_bias) times only those rows, each
 dispatch config against those variants;
@@ -176,6 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-ms", type=int, nargs="+", default=list(TUNE_M), metavar="M",
+                        help="token counts --tune times (default: the dispatch buckets' tuning points); "
+                             "the dispatch table is printed only for the default set")
     parser.add_argument("--tune-rows", type=int, default=None, metavar="M",
                         help="time LARGE_CANDIDATES on the table rows with M >= this and use each row's fastest")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="N,K",
@@ -209,7 +213,7 @@ def main() -> None:
     tuned: dict[tuple[int, int, int], fbg.TileConfig] = {}
     if args.tune:
         for n, k in sorted({(n, k) for n, k, _ in rows}):
-            for m in TUNE_M:
+            for m in args.tune_ms:
                 prob = Problem(m, n, k, gen)
                 times = {}
                 for cfg in CANDIDATES:
@@ -224,11 +228,12 @@ def main() -> None:
                 print(f"tune N={n:6d} K={k:6d} M={m:5d}: best {best} {times[best]:9.1f} us  "
                       + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
                 del prob
-        print("_DISPATCH = {")
-        for n, k in sorted({(n, k) for n, k, _ in tuned}):
-            entries = ", ".join(f"({m if m < TUNE_M[-1] else '1 << 31'}, {tuned[(n, k, m)]!r})" for m in TUNE_M)
-            print(f"    ({n}, {k}): ({entries}),")
-        print("}")
+        if tuple(args.tune_ms) == TUNE_M:  # every bucket tuned: the table they imply
+            print("_DISPATCH = {")
+            for n, k in sorted({(n, k) for n, k, _ in tuned}):
+                entries = ", ".join(f"({m if m < TUNE_M[-1] else '1 << 31'}, {tuned[(n, k, m)]!r})" for m in TUNE_M)
+                print(f"    ({n}, {k}): ({entries}),")
+            print("}")
 
     if args.ab:
         rows = [(n, k, m) for n, k, m in rows if m >= args.tune_rows]
