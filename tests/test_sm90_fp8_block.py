@@ -482,11 +482,12 @@ def test_gpu_early_bias_fp32_bias_matches_float64():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "swiglu"])
 @pytest.mark.parametrize("m", [7, 4096])
 def test_gpu_exp_activation_matches_float64(m, act):
-    """``act_tanh=False``: SiLU / GELU-tanh through ``ex2`` + ``rcp`` (the default, ``tanh.approx``, is
-    in :func:`test_gpu_epilogues_match_float64`) stay within the 1e-3 gate."""
+    """``act_tanh=False``: SiLU / GELU-tanh / SwiGLU through ``ex2`` + ``rcp`` (the default,
+    ``tanh.approx``, is in :func:`test_gpu_epilogues_match_float64`) stay within the 1e-3 gate
+    (SwiGLU added in session 26 without a GPU: benchmarks/NOTES.md, leads)."""
     epi = Epilogue(bias=True, activation=act)
     _check_epilogue(m, epi, replace(fbg.pick_config(m, 512, 1024, epi), act_tanh=False))
 
