@@ -723,6 +723,7 @@ _DISPATCH: dict[tuple[int, int], tuple[tuple[int, TileConfig], ...]] = {
 _DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _S, _T, _L, _LC4)))
 
 
+@functools.lru_cache(maxsize=4096)  # fp8_block_linear asks on every call (its token-tile height)
 def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
     """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; set to
     ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""

@@ -987,11 +987,11 @@ def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
     token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64- or 128-token tiles, the
     last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one warpgroup or
-    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run slowly, the padded copy costs
-    1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through the copy 41 µs; 16/32-token
-    tiles and K-split grids lose the copy's time. H200, session 26: one tile 0.61-0.89x the time
-    from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and 300 one warpgroup 0.79-0.87x, two
-    warpgroups 0.93-1.08x)."""
+    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
+    slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
+    the copy 41 µs; 16/32-token tiles and K-split grids lose the copy's time. H200, session 26:
+    one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and 300 one
+    warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x)."""
     rows = -(-m // config.bn) * config.bn
     empty = rows - m
     if w4a8 or config.bn < 64 or config.splits > 1 or 4 * empty <= config.bn:
