@@ -128,6 +128,8 @@ def main() -> None:
     p.add_argument("--propagate", default="quantized", choices=["quantized", "float"],
                    help="inputs of each decoder layer during calibration (quantkit.calibrate.recipe.Recipe)")
     p.add_argument("--kv-cache", default=None, choices=["fp8"], help="also an FP8 KV cache (Recipe.kv_cache)")
+    p.add_argument("--layer-format", nargs="*", default=[], metavar="PATTERN=FORMAT",
+                   help="mixed precision (Recipe.layer_formats); name the rows with --tag")
     p.add_argument("--kv-cache-after", action="store_true",
                    help="with --kv-cache: calibrate the weights without it, then add it (quantkit.nn.calibrate_kv_cache)")
     p.add_argument("--device", default="cpu", help="where to calibrate and evaluate (e.g. cuda; the QuantLinears "
@@ -188,7 +190,7 @@ def main() -> None:
                 continue
             extra = {"options": options, "propagate": args.propagate,
                      "kv_cache": None if args.kv_cache_after else args.kv_cache}
-            recipe = Recipe(fmt, **extra) if algo == "default" else Recipe.parse(fmt, algo, **extra)
+            recipe = Recipe.parse(fmt, None if algo == "default" else algo, layer_formats=args.layer_format, **extra)
             model = copy.deepcopy(base)
             t = time.time()
             with torch.no_grad():

@@ -36,13 +36,16 @@ def _progress(enabled: bool = True) -> Progress:
 
 
 def _summary(report, seconds: float) -> Table:
-    table = Table(title=f"{report.format}: {len(report.quantized)} layers quantized, {len(report.skipped)} skipped, {seconds:.1f} s")
+    formats = report.formats
+    what = report.format if len(formats) <= 1 else " + ".join(f"{f} ({count})" for f, count in formats.items())
+    table = Table(title=f"{what}: {len(report.quantized)} layers quantized, {len(report.skipped)} skipped, {seconds:.1f} s")
+    mixed = len(formats) > 1
     for col in ("layer", "shape", "SQNR dB", "MB before", "MB after", "note"):
         table.add_column(col, justify="left" if col in ("layer", "note") else "right", overflow="fold")
     for r in report.layers:
         sqnr = "" if r.sqnr_db is None else ("inf" if math.isinf(r.sqnr_db) else f"{r.sqnr_db:.1f}")
         table.add_row(r.name, "×".join(map(str, r.shape)), sqnr, f"{r.bytes_before / 1e6:.2f}" if r.bytes_before else "",
-                      f"{r.bytes_after / 1e6:.2f}" if r.bytes_after else "", r.reason)
+                      f"{r.bytes_after / 1e6:.2f}" if r.bytes_after else "", r.reason or (r.format if mixed else ""))
     before = sum(r.bytes_before for r in report.quantized)
     after = sum(r.bytes_after for r in report.quantized)
     table.add_row("[bold]total", "", "", f"{before / 1e6:.1f}", f"{after / 1e6:.1f}", f"{before / max(after, 1):.2f}× smaller")
@@ -59,6 +62,7 @@ def quantize(
     seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per calibration sequence (default: 512 on a GPU, 256 on CPU).")] = None,
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn or max, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
+    layer_format: Annotated[Optional[list[str]], typer.Option(help="PATTERN=FORMAT: the Linear layers matching the glob or 're:' pattern get FORMAT instead of --format (repeatable, first match wins), e.g. '*self_attn*=fp8-block'.")] = None,
     options: Annotated[Optional[str], typer.Option(help='Algorithm parameters as JSON, e.g. \'{"autoround": {"iters": 200}, "gptq": {"act_order": true}}\'.')] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
     kv_cache: Annotated[Optional[str], typer.Option(help="'fp8': also calibrate a static FP8 KV-cache scale per attention layer (vLLM: --kv-cache-dtype fp8).")] = None,
@@ -88,13 +92,14 @@ def quantize(
     parallel = init_from_env()  # under torchrun: one rank per GPU, each calibrates on its shard of the batches
     writer = is_main()  # rank 0 (or the only process) writes and prints
     try:
-        recipe = Recipe.parse(format, algo, ignore, kv_cache=kv_cache, options=_json_options(options))
+        recipe = Recipe.parse(format, algo, ignore, layer_format, kv_cache=kv_cache, options=_json_options(options))
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         if export == "modelopt":
             from quantkit.export.modelopt import tensor_specs
 
-            tensor_specs(recipe.format)  # a format ModelOpt lacks fails now, not after calibration
+            for fmt in (recipe.format, *recipe.layer_formats.values()):
+                tensor_specs(fmt)  # a format ModelOpt lacks fails now, not after calibration
         with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")

@@ -154,7 +154,7 @@ def test_awq_default_search_by_whether_activations_are_quantized(monkeypatch, fm
     capture, candidates = awq_module._capture_inputs, AWQ._candidates
     seen, scored = [], []
     monkeypatch.setattr(awq_module, "_capture_inputs",
-                        lambda ctx, pairs, max_tokens: seen.append(max_tokens) or capture(ctx, pairs, max_tokens))
+                        lambda ctx, pairs, max_tokens: seen.extend(max_tokens) or capture(ctx, pairs, max_tokens))
     monkeypatch.setattr(AWQ, "_candidates", lambda self, ctx, pair, g: scored.append(g) or candidates(self, ctx, pair, g))
     for algo, want in ((AWQ(), (grid, tokens)), (AWQ(grid=5, max_tokens=64), (5, 64))):
         seen.clear()
@@ -171,11 +171,11 @@ def test_awq_gram_error_equals_the_token_error():
     awq = AWQ()
     ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
     pairs = smoothing_pairs(ctx)
-    for pair, x in zip(pairs, _capture_inputs(ctx, pairs, 1 << 20)):
+    for pair, x in zip(pairs, _capture_inputs(ctx, pairs, [1 << 20] * len(pairs))):
         names = [n for n in pair.consumers if n in ctx.stats]
         x64 = x.double()
         for s in awq._candidates(ctx, pair, 4):
-            got = awq._output_error(ctx, pair, x.T @ x, s, None)
+            got = awq._output_error(ctx, pair, ctx.fmt, x.T @ x, s, None)
             s_in = pair.to_input(s)
             scaled = {n: pair.consumers[n].weight.detach().float() * s_in for n in names}
             want = 0.0

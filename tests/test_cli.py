@@ -49,6 +49,20 @@ def test_quantize_writes_a_checkpoint_that_loads(model_dir, tmp_path, fmt, expor
     assert res.exit_code == 0 and fmt in res.output
 
 
+def test_quantize_with_a_format_per_layer(model_dir, tmp_path):
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--format", "nvfp4", "--layer-format", "*self_attn*=fp8-dynamic",
+              "--layer-format", "re:.*layers\\.1\\.mlp.*=fp8", "--samples", 4, "--seq-len", 32)
+    assert res.exit_code == 0, res.output
+    assert "fp8-dynamic (8) + nvfp4 (3) + fp8 (3): 14 layers quantized" in " ".join(res.output.split())
+    formats = {n: m.format for n, m in quantkit.load(out).named_modules() if isinstance(m, quantkit.QuantLinear)}
+    assert formats == {f"model.layers.{i}.{p}": "fp8-dynamic" if "attn" in p else "fp8" if i == 1 else "nvfp4"
+                       for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    res = run("inspect", out)
+    assert res.exit_code == 0 and "fp8-dynamic + fp8 + nvfp4" in " ".join(res.output.split())
+
+
 def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     out = tmp_path / "q"
     res = run("quantize", model_dir, "--out", out, "--format", "fp8-dynamic", "--kv-cache", "fp8",
@@ -72,6 +86,10 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     (["--options", "{grid: 20}"], "--options is not valid JSON"),
     (["--ignore", "re:("], "ignore pattern 're:(' is not a valid regular expression"),
     (["--format", "mxfp4", "--export", "modelopt"], "ModelOpt has no mxfp4 format"),
+    (["--layer-format", "*mlp*=mxfp4", "--export", "modelopt"], "ModelOpt has no mxfp4 format"),
+    (["--layer-format", "*mlp*"], "layer format '*mlp*' is not PATTERN=FORMAT"),
+    (["--layer-format", "*mlp*=int3"], "unknown format 'int3'"),
+    (["--layer-format", "*gate_proj=fp8"], "engines fuse these projections into one GEMM, so they must share a format"),
     (["--ignore", "*"], "no layer was quantized: all 15 Linear layers were skipped (ignored by pattern)"),
     (["--samples", "0"], "Invalid value for '--samples'"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),

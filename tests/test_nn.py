@@ -89,7 +89,7 @@ def test_quantize_model_reports_every_linear_and_shares_fused_scales():
         "lm_head": "ignored by pattern", "model.layers.0.mlp.down_proj": "ignored by pattern"}
     fp8_model = LlamaForCausalLM(cfg)
     fp8_report = quantize_model(fp8_model, "fp8-block")  # K=64/96 do not divide by 128: all skipped
-    assert {r.name: r.reason for r in fp8_report.skipped}["model.layers.0.mlp.down_proj"] == "K=96 not divisible by 128"
+    assert {r.name: r.reason for r in fp8_report.skipped}["model.layers.0.mlp.down_proj"] == "K=96 not divisible by 128 (fp8-block)"
     assert all(isinstance(model.get_submodule(r.name), QuantLinear) for r in report.quantized)
     attn = model.model.layers[1].self_attn
     assert attn.q_proj.weight_tensor_scale == attn.k_proj.weight_tensor_scale == attn.v_proj.weight_tensor_scale

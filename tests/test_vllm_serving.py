@@ -8,7 +8,8 @@ each dense layer on activations captured from the quantkit model. Stacked parame
 the checkpoint's bytes, and each output must match what the checkpoint means as the standard
 format it is stored as, computed by ``quantkit.load`` (for the tagged formats, ``nvfp4-4over6``
 and ``nvfp4-w4a8``, read without the tag: vLLM serves them as ``nvfp4`` and ``nvfp4-w4a16``).
-The checkpoints vLLM refuses are the ones ``quantkit.save`` warns about.
+The checkpoints vLLM refuses are the ones ``quantkit.save`` warns about. Mixed-precision
+checkpoints (``Recipe.layer_formats``) are served layer by layer in each layer's format.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from transformers import (
 
 import quantkit
 from quantkit.export import load, save
-from quantkit.nn.swap import DEFAULT_IGNORE
+from quantkit.nn.swap import DEFAULT_IGNORE, assign_formats
 from quantkit.nn.kv_cache import kv_scales
 
 HERE = Path(__file__).parent
@@ -106,15 +107,17 @@ MODELS = {
 
 
 @functools.cache
-def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False, kv: bool = False
-               ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def calibrated(fmt: str, arch: str = "llama", hidden: int = 256, head: bool = False, kv: bool = False,
+               layer_formats: tuple[tuple[str, str], ...] = ()) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The tiny ``arch`` model calibrated to ``fmt`` by round to nearest (``head``: lm_head too;
-    ``kv``: with an FP8 KV cache), and activations of another batch at the input of each vLLM module of PROJECTIONS it has and,
+    ``kv``: with an FP8 KV cache; ``layer_formats``: (pattern, format) pairs for other layers), and
+    activations of another batch at the input of each vLLM module of PROJECTIONS it has and,
     with ``head``, of lm_head (``[T, K]`` bf16)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[arch](hidden), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
-    recipe = quantkit.Recipe(fmt, ("rtn",), ignore=() if head else DEFAULT_IGNORE, kv_cache="fp8" if kv else None)
+    recipe = quantkit.Recipe(fmt, ("rtn",), ignore=() if head else DEFAULT_IGNORE, kv_cache="fp8" if kv else None,
+                             layer_formats=dict(layer_formats))
     quantkit.quantize(model, recipe, ids[:4])
     inputs, layer = {}, model.model.layers[0]
     modules = dict(layer.named_modules())
@@ -148,6 +151,12 @@ def read_untagged(directory: Path, tmp: Path) -> torch.nn.Module:
 
 DENSE = [(fmt, export, "llama") for fmt, export in CASES] + [
     ("nvfp4", CT, "gemma3"), ("nvfp4-w4a16", MODELOPT, "gemma3"), ("fp8-block", CT, "gemma3")]
+# Mixed precision: (format, export, arch, (pattern, format) pairs); vLLM serves each layer in its format.
+ATTENTION_FP8 = (("*self_attn*", "fp8-dynamic"),)
+MIXED = [("nvfp4", CT, "llama", ATTENTION_FP8), ("nvfp4-w4a16", MODELOPT, "llama", ATTENTION_FP8),
+         ("fp8-dynamic", CT, "gemma3", (("*down_proj", "nvfp4-w4a16"),)),
+         ("nvfp4", MODELOPT, "gemma3", (("*mlp*", "fp8-block"),))]
+MIXED_CONFIG = {CT: "CompressedTensorsConfig", MODELOPT: "ModelOptMixedPrecisionConfig"}
 # MoE (Qwen3-MoE experts): vLLM's MoE method per format and flavour, and the tensors of each
 # expert Linear it stacks into its w13_* (gate and up of every expert) and w2_* (down) parameters.
 NVFP4_CT = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
@@ -173,6 +182,7 @@ class Key(NamedTuple):
     hidden: int = 256
     head: bool = False  # lm_head quantized too
     kv: bool = False  # FP8 KV cache
+    layer_formats: tuple[tuple[str, str], ...] = ()  # mixed precision
 
 
 # Checkpoints quantkit writes (with a warning) and reads, and vLLM refuses, with vLLM's reason.
@@ -214,10 +224,11 @@ def served(tmp_path_factory) -> dict[tuple, Checkpoint]:
         pytest.fail(f"vLLM sources unavailable: {e}")
     root = tmp_path_factory.mktemp("vllm")
     checkpoints, jobs = {}, []
-    keys = [Key(*case) for case in DENSE] + [Key(fmt, export, "qwen3_moe") for fmt, export in MOE] + [HEAD, *KV, *REFUSED]
+    keys = ([Key(*case) for case in DENSE] + [Key(fmt, export, arch, layer_formats=pairs) for fmt, export, arch, pairs in MIXED]
+            + [Key(fmt, export, "qwen3_moe") for fmt, export in MOE] + [HEAD, *KV, *REFUSED])
     for key in keys:
-        fmt, export, arch, hidden, head, kv = key
-        model, inputs = calibrated(fmt, arch, hidden, head, kv)
+        fmt, export, arch, hidden, head, kv, layer_formats = key
+        model, inputs = calibrated(fmt, arch, hidden, head, kv, layer_formats)
         directory = root / "-".join(map(str, key))
         shards = {"max_shard_bytes": SHARD_BYTES} if arch == "qwen3_moe" else {}  # vLLM reads the index
         with warnings.catch_warnings(record=True) as caught:
@@ -262,12 +273,31 @@ def assert_loaded_cleanly(checkpoint: Checkpoint, weight_only_modelopt: bool = F
 
 @pytest.mark.parametrize(("fmt", "export", "arch"), DENSE)
 def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_path):
-    case = CASES[fmt, export]
     checkpoint = served[Key(fmt, export, arch)]
-    assert_loaded_cleanly(checkpoint, weight_only_modelopt=export == MODELOPT and fmt == "nvfp4-w4a16")
+    assert checkpoint.result["quant_config"] == CASES[fmt, export].config
+    check_served(checkpoint, {name: CASES[fmt, export] for name in PROJECTIONS}, tmp_path,
+                 weight_only_modelopt=export == MODELOPT and fmt == "nvfp4-w4a16")
+
+
+@pytest.mark.parametrize(("fmt", "export", "arch", "layer_formats"), MIXED)
+def test_vllm_serves_each_layer_of_a_mixed_precision_checkpoint_in_its_format(fmt, export, arch, layer_formats,
+                                                                               served, tmp_path):
+    checkpoint = served[Key(fmt, export, arch, layer_formats=layer_formats)]
+    assert checkpoint.result["quant_config"] == MIXED_CONFIG[export]
+    formats = assign_formats([f"model.layers.0.{members[0]}" for members in PROJECTIONS.values()], fmt, dict(layer_formats))
+    assert len(set(formats.values())) == 2
+    cases = {name: CASES[formats[f"model.layers.0.{members[0]}"], export] for name, members in PROJECTIONS.items()}
+    check_served(checkpoint, cases, tmp_path,
+                 weight_only_modelopt=export == MODELOPT and "nvfp4-w4a16" in formats.values())
+
+
+def check_served(checkpoint: Checkpoint, cases: dict[str, Expected], tmp_path: Path, weight_only_modelopt: bool) -> None:
+    """vLLM loaded ``checkpoint`` cleanly, chose ``cases[module].scheme`` for each module of
+    PROJECTIONS, stacked the members' checkpoint tensors exactly, and (where its CPU code runs the
+    layer: ``cases[module].cpu_forward``) computes what ``quantkit.load`` of the untagged checkpoint computes."""
+    assert_loaded_cleanly(checkpoint, weight_only_modelopt)
     result, outputs, inputs = checkpoint.result, checkpoint.outputs, checkpoint.inputs
-    assert result["quant_config"] == case.config
-    assert {result["schemes"][name] for name in PROJECTIONS} == {case.scheme}
+    assert {name: result["schemes"][name] for name in PROJECTIONS} == {name: c.scheme for name, c in cases.items()}
 
     # vLLM's fused parameters hold exactly the members' checkpoint tensors, stacked in its order.
     tensors = tensors_of(checkpoint.directory)
@@ -280,13 +310,15 @@ def test_vllm_loads_and_serves_the_checkpoint(fmt, export, arch, served, tmp_pat
             stacked = torch.cat([as_bytes(tensors[f"{prefix}{m}.{p}"]) for m in members])
             assert torch.equal(as_bytes(params[p]), stacked), (name, p)
 
-    if case.cpu_forward == "none":
-        assert set(result["errors"]) == set(PROJECTIONS), result["errors"]
+    assert set(result["errors"]) == {name for name, c in cases.items() if c.cpu_forward == "none"}, result["errors"]
+    if all(c.cpu_forward == "none" for c in cases.values()):
         return
-    assert not result["errors"], result["errors"]
     reference = read_untagged(checkpoint.directory, tmp_path).model.layers[0]
     with torch.no_grad():
         for name, members in PROJECTIONS.items():
+            case = cases[name]
+            if case.cpu_forward == "none":
+                continue
             layers = [reference.get_submodule(m) for m in members]
             x = inputs[name]
             if case.cpu_forward == "weights":

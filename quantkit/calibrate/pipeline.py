@@ -44,8 +44,8 @@ from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
 from quantkit.nn.experts import calibrating_all_experts, linearize_experts, shared_input_groups
 from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, observe, scales_from_amax
-from quantkit.nn.swap import (LayerResult, QuantizationReport, fused_groups, plan_layers, quantize_model,
-                              shared_weight_amax)
+from quantkit.nn.swap import (LayerResult, QuantizationReport, assign_formats, fused_groups, plan_layers,
+                              quantize_model, shared_weight_amax)
 
 
 class CalibrationError(RuntimeError):
@@ -184,14 +184,15 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     fmt = get_format(recipe.format)
     algos = build(list(recipe.algorithms), recipe.options)
     if not recipe.needs_data:
-        return quantize_model(model, fmt.name, recipe.ignore)
+        return quantize_model(model, fmt.name, recipe.ignore, layer_formats=recipe.layer_formats)
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
     _check_token_ids(model, calib_data)
     device = torch.device(device) if device else rank_device()
     linearize_experts(model)
     prefix, layers = find_decoder_layers(model)
-    planned, skipped = plan_layers(model, fmt.name, recipe.ignore)
+    planned, skipped = plan_layers(model, fmt.name, recipe.ignore, recipe.layer_formats)
+    formats = assign_formats(planned, fmt.name, recipe.layer_formats)
 
     _move_outside(model, layers, device)
     try:
@@ -252,14 +253,15 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
                 raise CalibrationError(f"attention modules {sorted(set(attentions) - set(kv_amax))} of layer {i} "
                                        "never ran their attention function: no FP8 KV-cache scale for them")
             kv_cache.update({scope + n: scales_from_amax(kv_amax[n]) for n in attentions})
-            ctx = LayerContext(fmt, layer, linears, {n: stats[h] for n, h in observed.items()},
+            ctx = LayerContext({n: get_format(formats[n]) for n in linears}, layer, linears, {n: stats[h] for n, h in observed.items()},
                                fused_groups(linears), shared_weight_amax(linears), run_block, targets)
             for algo in algos:
                 algo.apply(ctx)
         input_scales = ctx.input_scales()
         rel = {n[len(scope):]: n for n in linears}
         ignore = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and scope + n not in linears]
-        part = quantize_model(layer, fmt.name, ignore, qweights={r: ctx.qweights[n] for r, n in rel.items()},
+        part = quantize_model(layer, fmt.name, ignore, layer_formats={r: formats[n] for r, n in rel.items()},
+                              qweights={r: ctx.qweights[n] for r, n in rel.items()},
                               input_scales={r: input_scales[n] for r, n in rel.items() if n in input_scales})
         for res in part.quantized:
             res.name = rel[res.name]
@@ -274,7 +276,8 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
         enable_kv_cache(model, kv_cache)
     rest = {n for n in planned if not n.startswith(prefix + ".")}
     if rest:  # Linear layers outside the decoder blocks: round to nearest, no activation statistics
-        outside = quantize_model(model, fmt.name, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in rest])
+        outside = quantize_model(model, fmt.name, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in rest],
+                                 layer_formats=recipe.layer_formats)
         report.layers.extend(outside.quantized)
     _move_outside(model, layers, torch.device(offload_device))
     report.calibration = CalibrationInfo(len(layers), block_bytes, state_bytes, offloaded)

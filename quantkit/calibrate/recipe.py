@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from quantkit.formats import get_format
 from quantkit.nn.kv_cache import KV_CACHE_FORMATS
-from quantkit.nn.swap import DEFAULT_IGNORE, check_patterns
+from quantkit.nn.swap import DEFAULT_IGNORE, assign_formats, check_patterns
 
 # The algorithms a bare format name gets (chosen by measurement: docs/accuracy.md); the other
 # formats round to nearest (mxfp8 since session 23: GPTQ gained nothing on Gemma-3-270M and lost
@@ -27,7 +27,10 @@ class Recipe:
     :func:`quantkit.calibrate.algorithms.check_options`); ``propagate``: feed each decoder layer the
     outputs of the already *quantized* previous layers (``"quantized"``) or of the float ones
     (``"float"``); ``kv_cache``: ``"fp8"`` calibrates a static FP8 KV-cache scale per
-    attention layer (:mod:`quantkit.nn.kv_cache`), ``None`` leaves the cache in the model dtype."""
+    attention layer (:mod:`quantkit.nn.kv_cache`), ``None`` leaves the cache in the model dtype;
+    ``layer_formats``: glob/``re:`` pattern -> format for the Linear layers it matches (first match
+    wins; e.g. ``{"*self_attn*": "fp8-block"}``), the others get ``format``; ``algorithms`` apply to
+    every layer."""
 
     format: str = "nvfp4"
     algorithms: tuple[str, ...] = ()
@@ -35,11 +38,12 @@ class Recipe:
     options: dict[str, dict] = field(default_factory=dict)
     propagate: str = "quantized"
     kv_cache: str | None = None
+    layer_formats: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from quantkit.calibrate.algorithms import build, check_options
 
-        get_format(self.format)
+        assign_formats((), self.format, self.layer_formats)  # unknown formats and invalid patterns fail here
         check_patterns(self.ignore)
         check_options(self.options)
         if self.kv_cache not in (None, *KV_CACHE_FORMATS):
@@ -55,11 +59,20 @@ class Recipe:
         """True when calibration data is needed: static activation or KV-cache scales, or a data-driven algorithm."""
         from quantkit.calibrate.algorithms import ALIASES
 
-        act = get_format(self.format).activation
-        return (act is not None and act.static) or self.kv_cache is not None or any(ALIASES.get(a, a) != "rtn" for a in self.algorithms)
+        acts = [get_format(f).activation for f in (self.format, *self.layer_formats.values())]
+        return (any(a is not None and a.static for a in acts) or self.kv_cache is not None
+                or any(ALIASES.get(a, a) != "rtn" for a in self.algorithms))
 
     @classmethod
-    def parse(cls, format: str, algo: str | None = None, ignore: list[str] | None = None, **kwargs) -> Recipe:
-        """From CLI-style strings: ``algo`` like ``"awq+gptq+mse"``; ``ignore`` adds to the defaults."""
+    def parse(cls, format: str, algo: str | None = None, ignore: list[str] | None = None,
+              layer_formats: list[str] | None = None, **kwargs) -> Recipe:
+        """From CLI-style strings: ``algo`` like ``"awq+gptq+mse"``; ``ignore`` adds to the defaults;
+        ``layer_formats`` entries ``"PATTERN=FORMAT"``."""
         algorithms = tuple(a.strip() for a in algo.split("+") if a.strip()) if algo else ()
-        return cls(format, algorithms, DEFAULT_IGNORE + tuple(ignore or ()), **kwargs)
+        pairs = {}
+        for entry in layer_formats or ():
+            pattern, sep, fmt = entry.rpartition("=")
+            if not sep or not pattern or not fmt:
+                raise ValueError(f"layer format {entry!r} is not PATTERN=FORMAT (e.g. '*self_attn*=fp8-block')")
+            pairs[pattern] = fmt
+        return cls(format, algorithms, DEFAULT_IGNORE + tuple(ignore or ()), layer_formats=pairs, **kwargs)

@@ -28,7 +28,7 @@ from quantkit.nn import QuantLinear
 from quantkit.nn.experts import expert_modules, linearize_experts, router_names
 from quantkit.nn.fuse import FusedProjections, straddling_members
 from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, kv_scales
-from quantkit.nn.swap import fused_groups
+from quantkit.nn.swap import check_fused_formats, fused_groups
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -47,8 +47,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     ``export``: ``"compressed-tensors"`` (llm-compressor's layout) or ``"modelopt"`` (NVIDIA
     ModelOpt's). Writes ``config.json`` (the model's config plus ``quantization_config``),
     safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
-    the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. Every
-    :class:`~quantkit.nn.QuantLinear` must share one format; the model's other ``nn.Linear`` layers
+    the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. The
+    :class:`~quantkit.nn.QuantLinear` layers may have different formats (a mixed-precision
+    checkpoint, fused siblings such as q/k/v sharing one); the model's other ``nn.Linear`` layers
     and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint
     (what ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts
     are written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE
@@ -56,7 +57,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     :mod:`quantkit.nn.kv_cache`) also gets its per-layer ``k_scale`` / ``v_scale`` and the
     flavour's KV-cache entry in the config. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
     Raises ``ValueError`` for a model without QuantLinear layers or with fused projections
-    (:func:`quantkit.fuse_projections`), a format the flavour lacks, or a static-activation format
+    (:func:`quantkit.fuse_projections`), fused siblings of different formats, a format the flavour lacks, or a static-activation format
     (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
     """
     flavour = _flavour(export)
@@ -69,13 +70,13 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not layers:
         raise ValueError("the model has no QuantLinear layers: quantize it first (quantkit.quantize or quantize_model)")
-    formats = sorted({m.format for m in layers.values()})
-    if len(formats) > 1:
-        raise ValueError(f"the model mixes formats {formats}; a checkpoint holds one format")
-    fmt = formats[0]
+    formats = {name: m.format for name, m in layers.items()}
+    check_fused_formats(formats)
+    specs = {fmt: flavour.tensor_specs(fmt) for fmt in set(formats.values())}  # a format the flavour lacks fails here
     output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
-    _warn_where_vllm_refuses(model, layers, output_embeddings, fmt, export)
-    specs = flavour.tensor_specs(fmt)
+    for fmt in specs:
+        _warn_where_vllm_refuses(model, {n: m for n, m in layers.items() if m.format == fmt}, output_embeddings, fmt,
+                                 export)
     names = CheckpointNames(model)
     high_precision = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)] + router_names(model)
     ignore = [names.module(name) for name in high_precision]
@@ -87,12 +88,13 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
             tensors[f"{names.module(attention)}.{local}"] = scale.detach().float().cpu().reshape(())
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = flavour.quantization_config(fmt, ignore, kv_cache)
+    on_disk = {names.module(name): fmt for name, fmt in formats.items()}
+    cfg["quantization_config"] = flavour.quantization_config(on_disk, ignore, kv_cache)
     if cfg.get("tie_word_embeddings") and isinstance(output_embeddings, QuantLinear):
         cfg["tie_word_embeddings"] = False  # a quantized lm_head no longer shares the embedding matrix
     with atomic_directory(out_dir) as tmp:
         write_safetensors(tensors, tmp, max_shard_bytes)
-        for name, obj in flavour.sidecar_files(fmt, ignore, kv_cache).items():
+        for name, obj in flavour.sidecar_files(on_disk, ignore, kv_cache).items():
             write_json(tmp / name, obj)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -119,28 +121,28 @@ def _warn_where_vllm_refuses(model: nn.Module, layers: dict[str, QuantLinear], h
                       f"{rows}-row scale block, and vLLM stacks them with the next projection of their group. "
                       f"quantkit.load reads it; for vLLM choose a format without row blocks (e.g. fp8-dynamic)",
                       stacklevel=3)
-    if export == compressed_tensors.NAME and isinstance(head, QuantLinear):
+    if export == compressed_tensors.NAME and head is not None and head in layers.values():
         warnings.warn("vLLM will not load this compressed-tensors checkpoint: its output layer (lm_head) is "
                       "quantized, and vLLM reads only an unquantized lm_head from compressed-tensors. quantkit.load "
                       "reads it; for vLLM keep lm_head in the ignore list or save with export='modelopt'",
                       stacklevel=3)
     if export == modelopt.NAME and fmt in ("fp8-dynamic", "fp8-block") and any(
-            isinstance(m, QuantLinear) for experts in expert_modules(model) for m in experts.modules()):
+            isinstance(m, QuantLinear) and m.format == fmt for experts in expert_modules(model) for m in experts.modules()):
         warnings.warn(f"vLLM will not load this modelopt {fmt} checkpoint: its MoE experts have "
                       f"{'per-channel' if fmt == 'fp8-dynamic' else '128x128 block'} scales, and vLLM's ModelOpt "
                       "FP8 MoE method takes per-tensor expert scales only. quantkit.load reads it; for vLLM save "
                       "with export='compressed-tensors'", stacklevel=3)
 
 
-def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: tuple[TensorSpec, ...],
+def _tensors_to_write(model: nn.Module, layers: dict[str, QuantLinear], specs: dict[str, tuple[TensorSpec, ...]],
                       names: CheckpointNames, skip: set[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its checkpoint name (``names``): QuantLinear layers per
-    ``specs``, the rest as in ``state_dict`` except the tensors of the modules in ``skip``. Tied tensors (the same storage, shape and offset, e.g.
+    ``specs`` of their format, the rest as in ``state_dict`` except the tensors of the modules in ``skip``. Tied tensors (the same storage, shape and offset, e.g.
     a tied lm_head) are written once, under their first name, as Hugging Face does."""
     out: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
         disk = names.module(name)
-        out.update({f"{disk}.{k}": v for k, v in export_layer(layer, specs, name).items()})
+        out.update({f"{disk}.{k}": v for k, v in export_layer(layer, specs[layer.format], name).items()})
         if layer.bias is not None:
             out[f"{disk}.bias"] = layer.bias.detach().cpu().contiguous()
     seen: set[tuple] = set()
@@ -280,13 +282,14 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
         raise CheckpointError(f"{directory}: checkpoint directory not found")
     cfg = read_json(directory / CONFIG)
     flavour, scheme = _quantization_config(directory, cfg)
-    specs = flavour.tensor_specs(scheme.format)
+    specs = {fmt: flavour.tensor_specs(fmt) for fmt in scheme.formats}
     tensors = CheckpointTensors(directory)
     model = _empty_model(directory, cfg, dtype)
     names = CheckpointNames(model)
     for name, module in list(model.named_modules()):
-        if scheme.selects(names.module(name), module):
-            _load_layer(model, name, names.module(name), module, scheme.format, specs, tensors, dtype)
+        fmt = scheme.format_of(names.module(name), module)
+        if fmt is not None:
+            _load_layer(model, name, names.module(name), module, fmt, specs[fmt], tensors, dtype)
     if scheme.kv_cache:
         _load_kv_scales(model, flavour, tensors, names)
     _load_rest(model, tensors, names)
@@ -298,7 +301,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
     if unexpected:
         raise CheckpointError(f"{directory}: {len(unexpected)} unexpected tensor(s) the model has no place for "
                               f"(or a layer the config leaves unquantized holds quantized tensors), e.g. {unexpected[:3]}")
-    _warn_where_vllm_rerounds(model, scheme.format, directory)
+    _warn_where_vllm_rerounds(model, directory)
     if (directory / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
@@ -306,14 +309,12 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
     return model.to(device).eval()
 
 
-def _warn_where_vllm_rerounds(model: nn.Module, fmt: str, directory: Path) -> None:
-    """Warn about a per-tensor ``fp8`` checkpoint whose stacked projections (q/k/v, gate/up) have
+def _warn_where_vllm_rerounds(model: nn.Module, directory: Path) -> None:
+    """Warn about per-tensor ``fp8`` layers whose stacked projections (q/k/v, gate/up) have
     separate weight scales, as ModelOpt and llm-compressor write them: quantkit computes them as
     written, vLLM stacks each group with one scale and re-rounds every member to the largest
     (``requantize_with_max_scale``). quantkit's own checkpoints share one scale per group."""
-    if fmt != "fp8":
-        return
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.format == "fp8"}
     split = [group for group in fused_groups(layers) if len({layers[n].weight_scale.item() for n in group}) > 1]
     if split:
         warnings.warn(f"{directory}: {len(split)} stacked projection group(s), e.g. {', '.join(split[0])}, have "

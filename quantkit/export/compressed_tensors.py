@@ -2,7 +2,11 @@
 
 Each quantkit format maps to one of compressed-tensors' preset schemes (``NVFP4``, ``NVFP4A16``,
 ``MXFP4``, ``MXFP8``, ``FP8_BLOCK``, ``FP8_DYNAMIC``, ``FP8``), written as the single config group
-``group_0`` targeting ``Linear``, with the skipped Linear layers in ``ignore``.
+``group_0`` targeting ``Linear``, with the skipped Linear layers in ``ignore``. A mixed-precision
+model (formats per layer) gets ``group_0`` for its most used format and one more group per other
+format, targeting those layers by name (names win over ``Linear`` in vLLM and here), each group
+with its own compression ``format`` and the top-level one ``mixed-precision``, as llm-compressor
+writes them.
 
 Tensors per Linear ``[N, K]`` (scalars are shape ``[1]``):
 
@@ -32,13 +36,14 @@ the model dtype; vLLM reads both into FP32 parameters).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from math import ceil
 
 import torch
 from torch import nn
 
 from quantkit.export.io import CheckpointError
-from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, tag_format, tagged_format
+from quantkit.export.layout import FLOAT_SCALES, STORED_AS, Scheme, TensorSpec, main_format, tag_format, tagged_format
 
 NAME = "compressed-tensors"
 KV_SCALE_NAMES = ("k_scale", "v_scale")  # under the attention module
@@ -119,20 +124,33 @@ def tensor_specs(fmt: str) -> tuple[TensorSpec, ...]:
     return _SPECS[fmt]
 
 
-def quantization_config(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict:
-    """The ``quantization_config`` entry of config.json for ``fmt`` with the skipped Linear names ``ignore``
-    (a format stored as another, see :data:`~quantkit.export.layout.STORED_AS`, adds ``quantkit_format``)
-    and ``kv_cache`` (``"fp8"`` or ``None``)."""
+def _group(fmt: str, targets: list[str], mixed: bool) -> dict:
     _, compression, weights, inputs = SCHEMES[fmt]
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+    group = {"targets": targets, "weights": weights, "input_activations": inputs,
              "output_activations": None, "format": compression}
-    return tag_format({"config_groups": {"group_0": group}, "format": compression, "global_compression_ratio": None,
-            "ignore": list(ignore), "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None, "moe_sparsity_config": None,
-            "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "sparsity_config": {}, "transform_config": {}, "version": VERSION}, fmt)
+    return tag_format(group, fmt) if mixed else group
 
 
-def sidecar_files(fmt: str, ignore: list[str], kv_cache: str | None = None) -> dict[str, dict]:
+def quantization_config(formats: dict[str, str], ignore: list[str], kv_cache: str | None = None) -> dict:
+    """The ``quantization_config`` entry of config.json for the quantized Linear layers ``formats``
+    (checkpoint name -> quantkit format), the skipped Linear names ``ignore`` and ``kv_cache``
+    (``"fp8"`` or ``None``). A format stored as another (see
+    :data:`~quantkit.export.layout.STORED_AS`) adds ``quantkit_format``: at the top level, and in
+    its group when the model mixes formats."""
+    main = main_format(formats)
+    count = Counter(formats.values())
+    others = sorted(set(count) - {main}, key=lambda f: (-count[f], f))  # most used first
+    groups = {"group_0": _group(main, ["Linear"], bool(others))}
+    for i, fmt in enumerate(others, 1):
+        groups[f"group_{i}"] = _group(fmt, sorted(n for n, f in formats.items() if f == fmt), True)
+    return tag_format({"config_groups": groups, "format": "mixed-precision" if others else SCHEMES[main][1],
+                       "global_compression_ratio": None, "ignore": list(ignore),
+                       "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None, "moe_sparsity_config": None,
+                       "quant_method": "compressed-tensors", "quantization_status": "compressed",
+                       "sparsity_config": {}, "transform_config": {}, "version": VERSION}, main)
+
+
+def sidecar_files(formats: dict[str, str], ignore: list[str], kv_cache: str | None = None) -> dict[str, dict]:
     """Extra JSON files this flavour writes next to config.json (none)."""
     return {}
 
@@ -155,22 +173,26 @@ _BY_PRESET = {preset: fmt for fmt, (preset, *_rest) in _STORED.items()}
 _READABLE = {"float-quantized": "naive-quantized"}  # same tensors under another compression name
 
 
+def _names(name: str, pattern: str) -> bool:
+    """compressed-tensors' name rule: ``re:`` regex match or the exact module name."""
+    return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else pattern == name
+
+
 def _matches(name: str, module: nn.Module, pattern: str) -> bool:
-    """compressed-tensors' rule: ``re:`` regex match, exact module name, or a class name in the MRO."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return pattern == name or any(cls.__name__ == pattern for cls in type(module).__mro__)
+    """compressed-tensors' rule: :func:`_names`, or a class name in the MRO."""
+    return _names(name, pattern) or any(cls.__name__ == pattern for cls in type(module).__mro__)
 
 
 def read_config(qcfg: dict) -> Scheme:
     """The :class:`Scheme` of a compressed-tensors ``quantization_config``.
 
-    Raises :class:`CheckpointError` for configs no quantkit format matches (other bit widths,
-    several formats in one model, dense/fake-quant storage)."""
+    A layer takes the format of the group that targets it by name, else of one that targets its
+    class (vLLM's order). Raises :class:`CheckpointError` for configs no quantkit format matches
+    (other bit widths, dense/fake-quant storage)."""
     groups = qcfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError("quantization_config has no config_groups")
-    formats, targets = set(), []
+    by_format: dict[str, list[str]] = {}
     for group_name, group in groups.items():
         if isinstance(group, list):  # {"NVFP4": ["Linear"]}: a preset name and its targets
             fmt = _BY_PRESET.get(group_name.upper())
@@ -186,17 +208,18 @@ def read_config(qcfg: dict) -> Scheme:
         if compression not in (SCHEMES[fmt][1], _READABLE.get(SCHEMES[fmt][1])):
             raise CheckpointError(f"quantization_config group {group_name!r}: {fmt} weights stored as "
                                   f"{compression!r} cannot be read; expected {SCHEMES[fmt][1]!r}")
-        formats.add(fmt)
-        targets += list(group.get("targets") or [])
-    if len(formats) > 1:
-        raise CheckpointError(f"quantization_config mixes formats {sorted(formats)}; quantkit loads one format per model")
+        fmt = tagged_format(group if "quantkit_format" in group else qcfg, fmt)
+        by_format.setdefault(fmt, []).extend(group.get("targets") or [])
     ignore = list(qcfg.get("ignore") or [])
 
-    def selects(name: str, module: nn.Module) -> bool:
-        return (isinstance(module, nn.Linear) and any(_matches(name, module, t) for t in targets)
-                and not any(_matches(name, module, p) for p in ignore))
+    def format_of(name: str, module: nn.Module) -> str | None:
+        if not isinstance(module, nn.Linear) or any(_matches(name, module, p) for p in ignore):
+            return None
+        by_name = (f for f, targets in by_format.items() if any(_names(name, t) for t in targets))
+        by_class = (f for f, targets in by_format.items() if any(_matches(name, module, t) for t in targets))
+        return next(by_name, None) or next(by_class, None)
 
-    return Scheme(tagged_format(qcfg, formats.pop()), tuple(ignore), selects, _kv_cache(qcfg.get("kv_cache_scheme")))
+    return Scheme(tuple(by_format), tuple(ignore), format_of, _kv_cache(qcfg.get("kv_cache_scheme")))
 
 
 def _kv_cache(scheme: dict | None) -> str | None:

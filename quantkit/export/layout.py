@@ -6,7 +6,8 @@ between a :class:`~quantkit.nn.QuantLinear`'s buffers and those tensors with the
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,15 +24,26 @@ Shape = Callable[[int, int], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Scheme:
-    """What a checkpoint's quantization config says: the quantkit ``format``, the Linear layers it
-    leaves in high precision (``ignore``: names or patterns), and ``selects(name, module)``, true for
-    the modules that hold quantized weights; ``kv_cache``: ``"fp8"`` for an FP8 KV cache with
-    per-layer static scales (:mod:`quantkit.nn.kv_cache`), else ``None``."""
+    """What a checkpoint's quantization config says: the quantkit ``formats`` it holds (one, or
+    several in a mixed-precision checkpoint), the Linear layers it leaves in high precision
+    (``ignore``: names or patterns), and ``format_of(name, module)``: the format of a module that
+    holds quantized weights, ``None`` for the others; ``kv_cache``: ``"fp8"`` for an FP8 KV cache
+    with per-layer static scales (:mod:`quantkit.nn.kv_cache`), else ``None``."""
 
-    format: str
+    formats: tuple[str, ...]
     ignore: tuple[str, ...]
-    selects: Callable[[str, nn.Module], bool]
+    format_of: Callable[[str, nn.Module], str | None]
     kv_cache: str | None = None
+
+    @property
+    def format(self) -> str:
+        """The format, or a mixed checkpoint's formats joined by ``" + "``."""
+        return " + ".join(self.formats)
+
+
+def main_format(formats: Mapping[str, str]) -> str:
+    """The format most layers of ``formats`` (layer name -> format) have (ties: the first seen)."""
+    return Counter(formats.values()).most_common(1)[0][0]
 
 
 @dataclass(frozen=True)

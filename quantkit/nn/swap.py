@@ -4,6 +4,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class LayerResult:
     name: str
     shape: tuple[int, int]
     reason: str = ""
+    format: str = ""  # the layer's format when quantized
     sqnr_db: float | None = None
     bytes_before: int = 0
     bytes_after: int = 0
@@ -42,7 +44,7 @@ class LayerResult:
 class QuantizationReport:
     """What :func:`quantize_model` did to every ``nn.Linear`` of the model."""
 
-    format: str
+    format: str  # the format of the layers no ``layer_formats`` pattern matched
     layers: list[LayerResult] = field(default_factory=list)
     calibration: object | None = None  # quantkit.calibrate.pipeline.CalibrationInfo when data was used
 
@@ -51,18 +53,23 @@ class QuantizationReport:
         return [r for r in self.layers if not r.reason]
 
     @property
+    def formats(self) -> dict[str, int]:
+        """Quantized layers per format, most frequent first."""
+        return dict(Counter(r.format for r in self.quantized).most_common())
+
+    @property
     def skipped(self) -> list[LayerResult]:
         return [r for r in self.layers if r.reason]
 
 
-def check_patterns(patterns: Iterable[str]) -> None:
-    """Raise ``ValueError`` naming the first ``re:`` pattern that is not a valid regular expression."""
+def check_patterns(patterns: Iterable[str], what: str = "ignore") -> None:
+    """Raise ``ValueError`` naming the first ``re:`` pattern (a ``what`` pattern) that is not a valid regular expression."""
     for p in patterns:
         if p.startswith("re:"):
             try:
                 re.compile(p[3:])
             except re.error as err:
-                raise ValueError(f"ignore pattern {p!r} is not a valid regular expression: {err}") from None
+                raise ValueError(f"{what} pattern {p!r} is not a valid regular expression: {err}") from None
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -87,24 +94,54 @@ def fused_groups(names: Iterable[str]) -> list[list[str]]:
     return groups
 
 
+def assign_formats(names: Iterable[str], format: str, layer_formats: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The format of each module name: that of the first ``layer_formats`` pattern (glob or ``re:``)
+    it matches, else ``format``. Raises ``ValueError`` for an unknown format or an invalid pattern, and
+    where siblings that engines fuse (q/k/v, gate/up: :data:`FUSED_GROUPS`) would get different
+    formats: they run as one GEMM in vLLM and share tensor scales and smoothing here."""
+    layer_formats = dict(layer_formats or {})
+    check_patterns(layer_formats, "layer_formats")
+    for f in (format, *layer_formats.values()):
+        get_format(f)
+    out = {n: next((f for p, f in layer_formats.items() if matches(n, [p])), format) for n in names}
+    check_fused_formats(out)
+    return out
+
+
+def check_fused_formats(formats: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` where siblings that engines fuse (:data:`FUSED_GROUPS`) have different
+    ``formats`` (module name -> format)."""
+    for members in FUSED_GROUPS:
+        for name in formats:
+            parent, _, leaf = name.rpartition(".")
+            if leaf not in members:
+                continue
+            siblings = [f"{parent}.{m}" if parent else m for m in members]
+            found = {n: formats[n] for n in siblings if n in formats}
+            if len(set(found.values())) > 1:
+                raise ValueError(f"{', '.join(f'{n} -> {f}' for n, f in found.items())}: engines fuse these projections "
+                                 "into one GEMM, so they must share a format; widen or narrow the layer_formats pattern")
+
+
 def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio ``10·log10(|w|² / |w - ŵ|²)`` in dB."""
     noise = (w.double() - w_hat.double()).pow(2).sum().item()
     return math.inf if noise == 0 else 10 * math.log10(w.double().pow(2).sum().item() / noise)
 
 
-def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
-    fmt = get_format(fmt_name)
+def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str],
+          layer_formats: Mapping[str, str] | None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
     check_patterns(ignore)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    formats = assign_formats(linears, fmt_name, layer_formats)
     chosen, skipped = {}, []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
+    for name, module in linears.items():
         shape = tuple(module.weight.shape)
+        k_multiple = get_format(formats[name]).k_multiple
         if matches(name, ignore):
             skipped.append(LayerResult(name, shape, "ignored by pattern"))
-        elif module.in_features % fmt.k_multiple:
-            skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {fmt.k_multiple}"))
+        elif module.in_features % k_multiple:
+            skipped.append(LayerResult(name, shape, f"K={module.in_features} not divisible by {k_multiple} ({formats[name]})"))
         else:
             chosen[name] = module
     for name in router_names(model):
@@ -117,12 +154,13 @@ def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str]) -> tuple[dict[
     return chosen, skipped
 
 
-def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
+def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = None,
+                layer_formats: Mapping[str, str] | None = None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
     """The Linear layers :func:`quantize_model` would quantize, and those it would skip (with reasons).
 
     Fused MoE experts count as skipped until :func:`quantkit.nn.experts.linearize_experts` has
     split them into per-expert Linears (as :func:`quantize_model` does first)."""
-    return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore))
+    return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore), layer_formats)
 
 
 def shared_weight_amax(layers: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:
@@ -134,12 +172,12 @@ def shared_weight_amax(layers: Mapping[str, nn.Linear]) -> dict[str, torch.Tenso
     return amax
 
 
-def rtn_quantize(layers: Mapping[str, nn.Linear], format: str) -> dict[str, QuantizedWeight]:
-    """Round-to-nearest weights for ``layers``, fused groups sharing one tensor scale."""
-    fmt = get_format(format)
+def rtn_quantize(layers: Mapping[str, nn.Linear], formats: Mapping[str, str]) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest weights for ``layers`` in their ``formats`` (by name), fused groups sharing one tensor scale."""
     amax = shared_weight_amax(layers)
     out = {}
     for name, m in layers.items():
+        fmt = get_format(formats[name])
         w = m.weight.detach().float()
         scale, ts = fmt.weight.compute_scales(w, amax[name])
         out[name] = fmt.quantize_weight(w, scale, ts)
@@ -147,6 +185,7 @@ def rtn_quantize(layers: Mapping[str, nn.Linear], format: str) -> dict[str, Quan
 
 
 def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str] | None = None, *,
+                   layer_formats: Mapping[str, str] | None = None,
                    qweights: Mapping[str, QuantizedWeight] | None = None,
                    input_scales: Mapping[str, torch.Tensor] | None = None) -> QuantizationReport:
     """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
@@ -155,22 +194,25 @@ def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str
     named ``...experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``; gate and up share tensor scales).
     Layers matching ``ignore`` (glob or ``re:`` patterns; default :data:`DEFAULT_IGNORE`) or whose K
     is not a multiple of the format's block are left as they are and reported with the reason, as
-    are fused experts of a layout that cannot be split.
+    are fused experts of a layout that cannot be split. ``layer_formats`` maps patterns to formats
+    for the layers they match (first match wins, see :func:`assign_formats`); the rest get ``format``.
     ``qweights`` / ``input_scales`` (by module name) come from calibration; missing weights are
     quantized round-to-nearest. Returns a :class:`QuantizationReport`.
     """
     get_format(format)
     linearize_experts(model)
-    layers, skipped = plan_layers(model, format, ignore)
+    layers, skipped = plan_layers(model, format, ignore, layer_formats)
+    formats = assign_formats(layers, format, layer_formats)
     missing = {n: m for n, m in layers.items() if not qweights or n not in qweights}
-    chosen = {**rtn_quantize(missing, format), **{n: q for n, q in (qweights or {}).items() if n in layers}}
+    chosen = {**rtn_quantize(missing, formats), **{n: q for n, q in (qweights or {}).items() if n in layers}}
     report = QuantizationReport(format, skipped)
     for name, linear in layers.items():
         qw = chosen[name]
-        q = QuantLinear.from_linear(linear, format, qweight=qw, input_scale=(input_scales or {}).get(name))
+        q = QuantLinear.from_linear(linear, formats[name], qweight=qw, input_scale=(input_scales or {}).get(name))
         w = linear.weight.detach()
         report.layers.append(LayerResult(
-            name, tuple(w.shape), sqnr_db=sqnr_db(w, qw.dequantize()), bytes_before=w.numel() * w.element_size(),
+            name, tuple(w.shape), format=formats[name], sqnr_db=sqnr_db(w, qw.dequantize()),
+            bytes_before=w.numel() * w.element_size(),
             bytes_after=sum(t.numel() * t.element_size() for t in (q.weight, q.weight_scale))))
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, q)

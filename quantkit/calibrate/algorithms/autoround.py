@@ -71,16 +71,18 @@ class AutoRound(Algorithm):
         self.needs_float_targets = target == "model"
 
     def apply(self, ctx: LayerContext) -> None:
-        fmt, act = ctx.fmt, ctx.fmt.activation
+        fmt = {n: ctx.format_of(n) for n in ctx.linears}
         weights = {n: m.weight.detach().float() for n, m in ctx.linears.items()}
         scales = {n: ctx.rtn_scales(n) for n in weights}
-        steps = {n: grid_step(fmt, w, *scales[n]) for n, w in weights.items()}
+        steps = {n: grid_step(fmt[n], w, *scales[n]) for n, w in weights.items()}
         offsets = {n: torch.zeros_like(w) for n, w in weights.items()}
         input_scales = ctx.input_scales()
         target = [t.float() for t in (ctx.targets if ctx.targets is not None else ctx.run_block())]
         quantized: dict[str, torch.Tensor] = {}  # this iteration's dequantized weights, gradient leaves
 
         def quantized_forward(name: str, linear: torch.nn.Linear):
+            act = fmt[name].activation
+
             def forward(x: torch.Tensor) -> torch.Tensor:
                 if act is not None:  # straight-through: the gradient passes the rounding unchanged
                     x = x + (act.qdq(x, input_scales.get(name)).to(x.dtype) - x).detach()
@@ -103,7 +105,7 @@ class AutoRound(Algorithm):
                                               for j in range(self.batches_per_step)]
                 with torch.set_grad_enabled(step):
                     for name, w in weights.items():
-                        quantized[name] = qdq(fmt, w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
+                        quantized[name] = qdq(fmt[name], w + offsets[name] * steps[name], *scales[name]).requires_grad_(step)
                     loss = 0.0
                     for b in batches:
                         err = (ctx.run_block([b])[0].float() - target[b]).pow(2).sum()
@@ -121,4 +123,4 @@ class AutoRound(Algorithm):
             for p in frozen:
                 p.requires_grad_(True)
         for name, w in weights.items():
-            ctx.qweights[name] = fmt.quantize_weight(w + best[name] * steps[name], *scales[name])
+            ctx.qweights[name] = fmt[name].quantize_weight(w + best[name] * steps[name], *scales[name])

@@ -20,16 +20,17 @@ from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
 from quantkit.calibrate.algorithms.mse import amax_scales
 from quantkit.calibrate.algorithms.smoothquant import SmoothingPair, fold, input_stats, smoothing_pairs
 from quantkit.calibrate.distributed import all_reduce_
+from quantkit.formats import Format
 
 
-def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: int) -> list[torch.Tensor]:
+def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: list[int]) -> list[torch.Tensor]:
     """Per pair, FP32 ``[T, K]`` consumer inputs: every ``n``-th token of a ``ctx.run_block()`` pass,
-    ``n`` chosen so that ``T ≤ max_tokens``."""
+    ``n`` chosen so that ``T ≤`` the pair's ``max_tokens``."""
     captured: list[list[torch.Tensor]] = [[] for _ in pairs]
     hooks = []
     for i, pair in enumerate(pairs):
         name, linear = next((n, m) for n, m in pair.consumers.items() if n in ctx.stats)
-        stride = -(-ctx.stats[name].tokens // max_tokens)
+        stride = -(-ctx.stats[name].tokens // max_tokens[i])
 
         def hook(module, args, i=i, stride=stride):
             captured[i].append(args[0].detach().reshape(-1, args[0].shape[-1])[::stride].float())
@@ -40,7 +41,12 @@ def _capture_inputs(ctx: LayerContext, pairs: list[SmoothingPair], max_tokens: i
     finally:
         for h in hooks:
             h.remove()
-    return [torch.cat(c)[:max_tokens] for c in captured]
+    return [torch.cat(c)[:t] for c, t in zip(captured, max_tokens)]
+
+
+def _pair_format(ctx: LayerContext, pair: SmoothingPair) -> Format:
+    """The format of ``pair``'s quantized consumers (fused siblings or one Linear: one format)."""
+    return ctx.format_of(next(n for n in pair.consumers if n in ctx.stats))
 
 
 # (grid points, max tokens) when not given, by whether the format quantizes activations. With
@@ -69,15 +75,16 @@ class AWQ(Algorithm):
         group = next((g for g in ctx.groups if name in g), [name])
         return [n for n in group if n in pair.consumers]
 
-    def _output_error(self, ctx: LayerContext, pair: SmoothingPair, x: torch.Tensor, s: torch.Tensor,
+    def _output_error(self, ctx: LayerContext, pair: SmoothingPair, fmt: Format, x: torch.Tensor, s: torch.Tensor,
                       reference: dict[str, torch.Tensor] | None) -> float:
         """Σ over the quantized consumers of ``‖x Wᵀ − q(x/s)·q(W·s)ᵀ‖²`` (shared tensor scales
         within a fused group computed from the scaled weights; a static activation scale from the
-        calibration amax of ``x/s``: all tokens of all ranks, as the quantized layer will use).
+        calibration amax of ``x/s``: all tokens of all ranks, as the quantized layer will use), in
+        the consumers' format ``fmt``.
         ``x``: the FP32 ``[T, K]`` tokens with ``reference``, each quantized consumer's ``x Wᵀ``;
         or (float activations only) their Gram matrix ``xᵀx`` ``[K, K]`` with ``reference=None``."""
         s_in = pair.to_input(s).to(x.device)
-        act = ctx.fmt.activation
+        act = fmt.activation
         if reference is None:
             gram = x / torch.outer(s_in, s_in)  # (x/s)ᵀ(x/s)
         else:
@@ -89,7 +96,7 @@ class AWQ(Algorithm):
         error = 0.0
         for name, w in scaled.items():
             amax = torch.stack([scaled[n].abs().amax() for n in self._group_of(ctx, name, pair)]).max()
-            w_hat = ctx.fmt.quantize_weight(w, *amax_scales(ctx.fmt, w, amax)).dequantize()
+            w_hat = fmt.quantize_weight(w, *amax_scales(fmt, w, amax)).dequantize()
             if reference is None:
                 d = w_hat - w
                 error += ((d @ gram) * d).sum().item()
@@ -123,16 +130,18 @@ class AWQ(Algorithm):
         pairs = smoothing_pairs(ctx)
         if not pairs:
             return
-        grid, max_tokens = self._settings(ctx.fmt.activation is not None)
-        inputs = _capture_inputs(ctx, pairs, max_tokens)
-        for pair, x in zip(pairs, inputs):
+        formats = [_pair_format(ctx, pair) for pair in pairs]
+        settings = [self._settings(fmt.activation is not None) for fmt in formats]
+        inputs = _capture_inputs(ctx, pairs, [max_tokens for _, max_tokens in settings])
+        for pair, fmt, (grid, _), x in zip(pairs, formats, settings, inputs):
             x = x.to(pair.producer.weight.device)
-            if ctx.fmt.activation is None and x.shape[1] <= x.shape[0]:  # the Gram matrix is the cheaper form
+            if fmt.activation is None and x.shape[1] <= x.shape[0]:  # the Gram matrix is the cheaper form
                 x, reference = x.T @ x, None
             else:
                 reference = {n: x @ c.weight.detach().float().T for n, c in pair.consumers.items() if n in ctx.stats}
             candidates = self._candidates(ctx, pair, grid)
-            errors = torch.tensor([self._output_error(ctx, pair, x, s, reference) for s in candidates], dtype=torch.float64)
+            errors = torch.tensor([self._output_error(ctx, pair, fmt, x, s, reference) for s in candidates],
+                                  dtype=torch.float64)
             best = candidates[int(all_reduce_(errors).argmin())]  # summed over data-parallel ranks
             if not torch.all(best == 1):
                 fold(pair, best, ctx)

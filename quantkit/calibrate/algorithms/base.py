@@ -24,7 +24,7 @@ STAGES = ("transform", "scales", "round")
 class LayerContext:
     """One decoder layer during calibration.
 
-    ``linears``: the layer's Linear modules to quantize, by full model name. ``stats``: their input
+    ``fmt``: the format of every Linear, or a format per Linear name (see :meth:`format_of`). ``linears``: the layer's Linear modules to quantize, by full model name. ``stats``: their input
     statistics. ``groups``: fused sibling groups (share tensor scales). ``weight_amax``: per layer,
     the amax its NVFP4 tensor scale derives from (max over its fused group). ``run_block(batches)``:
     runs the decoder layer (as its modules are now) on the calibration batches ``batches``
@@ -33,7 +33,7 @@ class LayerContext:
     states, not the quantized ones), when an algorithm ``needs_float_targets``; else ``None``.
     Algorithms fill ``scales`` (``(scale, tensor_scale)`` by name) and ``qweights``."""
 
-    fmt: Format
+    fmt: Format | dict[str, Format]
     block: nn.Module
     linears: dict[str, nn.Linear]
     stats: dict[str, InputStats]
@@ -44,23 +44,28 @@ class LayerContext:
     scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
 
+    def format_of(self, name: str) -> Format:
+        """The format Linear ``name`` is quantized to."""
+        return self.fmt[name] if isinstance(self.fmt, dict) else self.fmt
+
     def rtn_scales(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Round-to-nearest scales of layer ``name`` (fused-group tensor scale), unless a ``scales``
         algorithm already chose them."""
         if name not in self.scales:
             w = self.linears[name].weight.detach().float()
-            self.scales[name] = self.fmt.weight.compute_scales(w, self.weight_amax[name])
+            self.scales[name] = self.format_of(name).weight.compute_scales(w, self.weight_amax[name])
         return self.scales[name]
 
     def input_scales(self) -> dict[str, torch.Tensor]:
         """Static activation tensor scales by name, for formats that calibrate them (else empty):
-        one per fused group, from the largest calibration ``amax`` of its members."""
-        act = self.fmt.activation
-        if act is None or not act.static:
-            return {}
+        one per fused group (one format: see :func:`quantkit.nn.swap.assign_formats`), from the
+        largest calibration ``amax`` of its members."""
         grouped = {n for g in self.groups for n in g}
         scales = {}
         for group in [*self.groups, *[[n] for n in self.linears if n not in grouped]]:
+            act = self.format_of(group[0]).activation
+            if act is None or not act.static:
+                continue
             amax = torch.stack([self.stats[n].amax for n in group]).max()
             scales.update({n: act.input_scale_from_amax(amax) for n in group})
         return scales

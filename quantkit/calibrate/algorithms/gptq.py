@@ -145,9 +145,10 @@ class GPTQ(Algorithm):
             chosen = name in ctx.scales  # by a scales-stage algorithm
             scale, tensor_scale = ctx.rtn_scales(name)
             importance = ctx.stats[name].hessian.diagonal().float() if self.mse_scales else None  # used by refresh
-            quantizer = ColumnQuantizer(ctx.fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name], importance)
+            fmt = ctx.format_of(name)
+            quantizer = ColumnQuantizer(fmt, tuple(w.shape), scale, tensor_scale, ctx.weight_amax[name], importance)
             dynamic = (self.dynamic_scales and not chosen and not self.act_order
                        and self.block_size % quantizer.width == 0)
             q = gptq_quantize(w, ctx.stats[name].hessian, quantizer, damp=self.damp, block_size=self.block_size,
                               act_order=self.act_order, dynamic_scales=dynamic)
-            ctx.qweights[name] = ctx.fmt.quantize_weight(q, quantizer.scale, tensor_scale)
+            ctx.qweights[name] = fmt.quantize_weight(q, quantizer.scale, tensor_scale)

@@ -119,7 +119,7 @@ class MSE(Algorithm):
         """Per member of a fused group, the searched ``(scale, tensor_scale)`` under tensor scales
         from ``amax_factor × amax``; and the group's total error. A per-tensor scale (FP8
         ``(0, 0)`` blocks) is the group's: its candidates are tried on all members at once."""
-        fmt = ctx.fmt
+        fmt = ctx.format_of(next(iter(weights)))  # a fused group has one format
         rtn = {n: amax_scales(fmt, w, ctx.weight_amax[n] * amax_factor) for n, w in weights.items()}
         importance = {n: self._importance(ctx, n) for n in weights}
         if fmt.weight.block != (0, 0):
@@ -137,7 +137,8 @@ class MSE(Algorithm):
         grouped = {n for g in ctx.groups for n in g}
         for group in [*ctx.groups, *[[n] for n in ctx.linears if n not in grouped]]:
             weights = {n: ctx.linears[n].weight.detach().float() for n in group}
-            has_tensor_scale = ctx.fmt.weight.storage(1, ctx.fmt.k_multiple)[2]
+            fmt = ctx.format_of(group[0])
+            has_tensor_scale = fmt.weight.storage(1, fmt.k_multiple)[2]
             steps = self.tensor_scale_steps if has_tensor_scale else 1
             best = min((self._search_group(ctx, weights, 2 ** (j / steps)) for j in range(steps)), key=lambda r: r[1])
             ctx.scales.update(best[0])

@@ -13,4 +13,4 @@ class RTN(Algorithm):
     def apply(self, ctx: LayerContext) -> None:
         for name, linear in ctx.linears.items():
             scale, tensor_scale = ctx.rtn_scales(name)
-            ctx.qweights[name] = ctx.fmt.quantize_weight(linear.weight.detach().float(), scale, tensor_scale)
+            ctx.qweights[name] = ctx.format_of(name).quantize_weight(linear.weight.detach().float(), scale, tensor_scale)
