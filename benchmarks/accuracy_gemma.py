@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -105,6 +106,7 @@ def lambada_accuracy(model, requests: list[tuple[list[int], int]], batch_size: i
 
 
 def main() -> None:
+    from quantkit.calibrate.auto_formats import effective_bits, search_layer_formats
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.pipeline import quantize
     from quantkit.calibrate.recipe import Recipe
@@ -112,6 +114,7 @@ def main() -> None:
     from quantkit.kernels import use_reference
     from quantkit.models import load_model
     from quantkit.nn import calibrate_kv_cache
+    from quantkit.nn.swap import assign_formats
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="*", default=["nvfp4", "nvfp4-w4a16", "fp8-block", "mxfp8"])
@@ -130,6 +133,9 @@ def main() -> None:
     p.add_argument("--kv-cache", default=None, choices=["fp8"], help="also an FP8 KV cache (Recipe.kv_cache)")
     p.add_argument("--layer-format", nargs="*", default=[], metavar="PATTERN=FORMAT",
                    help="mixed precision (Recipe.layer_formats); name the rows with --tag")
+    p.add_argument("--effective-bits", type=float, default=None,
+                   help="automatic mixed precision (quantkit.calibrate.auto_formats) with --fallback; name the rows with --tag")
+    p.add_argument("--fallback", default="fp8-block", help="the wider format of --effective-bits")
     p.add_argument("--kv-cache-after", action="store_true",
                    help="with --kv-cache: calibrate the weights without it, then add it (quantkit.nn.calibrate_kv_cache)")
     p.add_argument("--device", default="cpu", help="where to calibrate and evaluate (e.g. cuda; the QuantLinears "
@@ -168,13 +174,13 @@ def main() -> None:
              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "degrid": args.degrid,
              **({"device": torch.cuda.get_device_name(args.device)} if args.device.startswith("cuda") else {})}
 
-    def record(key: str, model, calib_s: float | None, recipe: str) -> None:
+    def record(key: str, model, calib_s: float | None, recipe: str, **extra) -> None:
         t = time.time()
         model.to(args.device)
         with use_reference():  # the float32 function of every format, as on CPU (the GPU kernels compute in bf16)
             row = {"recipe": recipe, "ppl": perplexity(model, windows),
                    "lambada": lambada_accuracy(model, requests) if requests else None,
-                   "calib_s": calib_s, "eval_s": time.time() - t, **setup}
+                   "calib_s": calib_s, "eval_s": time.time() - t, **setup, **extra}
         model.to("cpu")
         results[key] = row
         args.out.write_text(json.dumps(results, indent=1))
@@ -193,11 +199,16 @@ def main() -> None:
             recipe = Recipe.parse(fmt, None if algo == "default" else algo, layer_formats=args.layer_format, **extra)
             model = copy.deepcopy(base)
             t = time.time()
+            if args.effective_bits is not None:
+                chosen, _ = search_layer_formats(model, calib, fmt, args.fallback, args.effective_bits, device=args.device)
+                recipe = dataclasses.replace(recipe, layer_formats=chosen)
+            linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+            bits = effective_bits(base, fmt, assign_formats(linears, fmt, recipe.layer_formats))
             with torch.no_grad():
                 quantize(model, recipe, calib, batch_size=8, device=args.device)
                 if args.kv_cache and args.kv_cache_after:
                     calibrate_kv_cache(model.to(args.device), calib.to(args.device))
-            record(key, model, time.time() - t, "+".join(recipe.algorithms))
+            record(key, model, time.time() - t, "+".join(recipe.algorithms), bits=bits, layer_formats=recipe.layer_formats)
             del model
     for label, directory in (c.split("=", 1) for c in args.checkpoints):
         fmt = describe(directory)["format"]

@@ -1,6 +1,7 @@
 """``quantkit`` command line: quantize, inspect, eval, bench."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -63,6 +64,8 @@ def quantize(
     algo: Annotated[Optional[str], typer.Option(help="Algorithms joined by '+' (rtn or max, mse, gptq, awq, smoothquant, autoround), e.g. 'awq+gptq+mse', 'awq+mse+autoround'; default: the format's default recipe.")] = None,
     ignore: Annotated[Optional[list[str]], typer.Option(help="Glob or 're:' pattern of Linear names to keep in bf16 (repeatable); lm_head is always kept.")] = None,
     layer_format: Annotated[Optional[list[str]], typer.Option(help="PATTERN=FORMAT: the Linear layers matching the glob or 're:' pattern get FORMAT instead of --format (repeatable, first match wins), e.g. '*self_attn*=fp8-block'.")] = None,
+    effective_bits: Annotated[Optional[float], typer.Option(min=1, help="Automatic mixed precision: give --fallback to the layers whose loss, measured on the calibration data, it recovers most per byte, within this many bits per weight on average.")] = None,
+    fallback: Annotated[str, typer.Option(help="The wider format of --effective-bits.")] = "fp8-block",
     options: Annotated[Optional[str], typer.Option(help='Algorithm parameters as JSON, e.g. \'{"autoround": {"iters": 200}, "gptq": {"act_order": true}}\'.')] = None,
     export: Annotated[str, typer.Option(help="Checkpoint flavour: compressed-tensors | modelopt (both load in vLLM).")] = "compressed-tensors",
     kv_cache: Annotated[Optional[str], typer.Option(help="'fp8': also calibrate a static FP8 KV-cache scale per attention layer (vLLM: --kv-cache-dtype fp8).")] = None,
@@ -93,12 +96,16 @@ def quantize(
     writer = is_main()  # rank 0 (or the only process) writes and prints
     try:
         recipe = Recipe.parse(format, algo, ignore, layer_format, kv_cache=kv_cache, options=_json_options(options))
+        if effective_bits is not None:
+            if layer_format:
+                raise ValueError("--effective-bits chooses the layer formats itself: drop --layer-format")
+            Recipe(fallback)  # an unknown fallback format fails now
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         if export == "modelopt":
             from quantkit.export.modelopt import tensor_specs
 
-            for fmt in (recipe.format, *recipe.layer_formats.values()):
+            for fmt in (recipe.format, *recipe.layer_formats.values(), *([fallback] if effective_bits else [])):
                 tensor_specs(fmt)  # a format ModelOpt lacks fails now, not after calibration
         with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)
@@ -111,10 +118,19 @@ def quantize(
             ids = None
             samples = samples or (128 if on_gpu else 16)
             seq_len = seq_len or (512 if on_gpu else 256)
-            if recipe.needs_data:
+            if recipe.needs_data or effective_bits is not None:
                 texts = load_texts(calib, tokenizer)
                 context = getattr(lm.config, "max_position_embeddings", None)
                 ids = token_samples(texts, tokenizer, num_samples=samples, seq_len=seq_len, seed=seed, max_length=context)
+            if effective_bits is not None:
+                from quantkit.calibrate.auto_formats import effective_bits as bits_of, search_layer_formats
+
+                task = bars.add_task(f"choosing {fallback} layers within {effective_bits} bits per weight", total=None)
+                chosen, _ = search_layer_formats(lm, ids, recipe.format, fallback, effective_bits, ignore=recipe.ignore,
+                                                 batch_size=batch_size, device=device)
+                recipe = dataclasses.replace(recipe, layer_formats=chosen)
+                bars.update(task, total=1, completed=1,
+                            description=f"{len(chosen)} layers in {fallback}: {bits_of(lm, recipe.format, chosen, recipe.ignore):.2f} bits per weight")
             task = bars.add_task(f"calibrating {recipe.format} ({'+'.join(recipe.algorithms)})", total=None)
             report = run_quantize(lm, recipe, ids, device=device, batch_size=batch_size,
                                   progress=lambda done, total: bars.update(task, completed=done, total=total))

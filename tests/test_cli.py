@@ -63,6 +63,21 @@ def test_quantize_with_a_format_per_layer(model_dir, tmp_path):
     assert res.exit_code == 0 and "fp8-dynamic + fp8 + nvfp4" in " ".join(res.output.split())
 
 
+def test_quantize_with_automatic_mixed_precision(model_dir, tmp_path):
+    from quantkit.calibrate.auto_formats import effective_bits
+
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--format", "nvfp4-w4a16", "--effective-bits", 5.5,
+              "--fallback", "fp8-dynamic", "--samples", 4, "--seq-len", 32)
+    assert res.exit_code == 0, res.output
+    model = quantkit.load(out)
+    formats = {n: m.format for n, m in model.named_modules() if isinstance(m, quantkit.QuantLinear)}
+    assert set(formats.values()) == {"nvfp4-w4a16", "fp8-dynamic"}
+    fallback = {n: f for n, f in formats.items() if f == "fp8-dynamic"}
+    assert effective_bits(tiny_llama(100, max_positions=128), "nvfp4-w4a16", fallback) <= 5.5
+    assert f"{len(fallback)} layers in fp8-dynamic" in res.output
+
+
 def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     out = tmp_path / "q"
     res = run("quantize", model_dir, "--out", out, "--format", "fp8-dynamic", "--kv-cache", "fp8",
@@ -89,7 +104,10 @@ def test_quantize_with_an_fp8_kv_cache(model_dir, tmp_path):
     (["--layer-format", "*mlp*=mxfp4", "--export", "modelopt"], "ModelOpt has no mxfp4 format"),
     (["--layer-format", "*mlp*"], "layer format '*mlp*' is not PATTERN=FORMAT"),
     (["--layer-format", "*mlp*=int3"], "unknown format 'int3'"),
-    (["--layer-format", "*gate_proj=fp8"], "engines fuse these projections into one GEMM, so they must share a format"),
+    (["--layer-format", "*gate_proj=fp8"], "engines run these as one GEMM or one MoE layer, so they must share a format"),
+    (["--effective-bits", "5", "--layer-format", "*mlp*=fp8"], "--effective-bits chooses the layer formats itself"),
+    (["--effective-bits", "5", "--fallback", "int3"], "unknown format 'int3'"),
+    (["--effective-bits", "4", "--format", "nvfp4-w4a16"], "nvfp4-w4a16 alone takes 4.51 bits per weight, more than effective_bits=4.0"),
     (["--ignore", "*"], "no layer was quantized: all 15 Linear layers were skipped (ignored by pattern)"),
     (["--samples", "0"], "Invalid value for '--samples'"),
     (["--batch-size", "0"], "Invalid value for '--batch-size'"),

@@ -50,8 +50,13 @@ def test_first_matching_pattern_gives_the_format_and_fused_siblings_must_share_i
     assert got == {"m.0.self_attn.q_proj": "fp8-block", "m.0.self_attn.k_proj": "fp8-block",
                    "m.0.self_attn.v_proj": "fp8-block", "m.0.self_attn.o_proj": "mxfp8", "m.0.mlp.gate_proj": "nvfp4",
                    "m.0.mlp.up_proj": "nvfp4", "m.0.mlp.down_proj": "fp8"}
-    with pytest.raises(ValueError, match=r"m.0.mlp.gate_proj -> fp8, m.0.mlp.up_proj -> nvfp4: engines fuse"):
+    with pytest.raises(ValueError, match=r"m.0.mlp.gate_proj -> fp8, m.0.mlp.up_proj -> nvfp4: engines run these as one GEMM"):
         assign_formats(names, "nvfp4", {"*gate_proj": "fp8"})
+    experts = [f"m.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert set(assign_formats(experts, "nvfp4", {"*experts*": "fp8"}).values()) == {"fp8"}
+    with pytest.raises(ValueError, match=r"m.1.mlp.experts.0.gate_proj \(and 8 more\) -> nvfp4, m.1.mlp.experts.3.gate_proj "
+                                         r"\(and 2 more\) -> fp8: engines run these as one GEMM or one MoE layer"):
+        assign_formats(experts, "nvfp4", {"*experts.3.*": "fp8"})  # vLLM builds one MoE layer of all experts
     with pytest.raises(ValueError, match="unknown format"):
         assign_formats(names, "nvfp4", {"*mlp*": "int3"})
     with pytest.raises(ValueError, match="layer_formats pattern 're:\\(' is not a valid regular expression"):
@@ -191,7 +196,7 @@ def test_errors_name_the_problem(calibrated, tmp_path):
     model, _ = calibrated
     broken = copy.deepcopy(model)
     broken.model.layers[0].self_attn.q_proj = broken.model.layers[0].mlp.up_proj  # NVFP4 beside fp8-block k/v
-    with pytest.raises(ValueError, match="q_proj -> nvfp4, .*k_proj -> fp8-block.*must share a format"):
+    with pytest.raises(ValueError, match=r"q_proj -> nvfp4, .*k_proj \(and 1 more\) -> fp8-block.*must share a format"):
         save(broken, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
     mx = tiny_llama()
@@ -205,3 +210,33 @@ def test_errors_name_the_problem(calibrated, tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="quant_algo 'INT4_AWQ' of layer 'model.layers.0.mlp.up_proj' matches no"):
         load(tmp_path / "m")
+
+
+def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
+    """search_layer_formats keeps within the bits-per-weight budget, leaves the model as it was,
+    and its choice calibrates to a lower loss than the same bytes spent on the lowest-scored units."""
+    from quantkit.calibrate.auto_formats import calibration_loss, effective_bits, search_layer_formats
+
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    chosen, units = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, device="cpu")
+    assert {type(m).__name__ for m in model.modules()} == {type(m).__name__ for m in tiny_llama().modules()}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert len(units) == 2 * 4  # q/k/v, o, gate/up, down per layer
+    assert 0 < len(chosen) and effective_bits(model, "nvfp4", chosen) <= 5.5
+    assert [u.score / u.extra_bytes for u in units] == sorted((u.score / u.extra_bytes for u in units), reverse=True)
+    spent = sum(u.extra_bytes for u in units if chosen.keys() & set(u.names))
+    worst, cost = {}, 0
+    for unit in reversed(units):
+        if cost >= spent:
+            break
+        worst.update(dict.fromkeys(unit.names, "fp8-block"))
+        cost += unit.extra_bytes
+    losses = {}
+    for label, layer_formats in (("chosen", chosen), ("worst", worst)):
+        m = tiny_llama()
+        quantkit.quantize(m, Recipe("nvfp4", ("rtn",), layer_formats=layer_formats), IDS)
+        losses[label] = calibration_loss(m, IDS, 8, torch.device("cpu"))
+    assert losses["chosen"] < losses["worst"], losses
+    with pytest.raises(ValueError, match="nvfp4 alone takes 4.50 bits per weight, more than effective_bits=4"):
+        search_layer_formats(model, IDS, "nvfp4", "fp8-block", 4, device="cpu")

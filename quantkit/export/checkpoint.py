@@ -28,7 +28,7 @@ from quantkit.nn import QuantLinear
 from quantkit.nn.experts import expert_modules, linearize_experts, router_names
 from quantkit.nn.fuse import FusedProjections, straddling_members
 from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, kv_scales
-from quantkit.nn.swap import check_fused_formats, fused_groups
+from quantkit.nn.swap import check_shared_formats, fused_groups
 
 FLAVOURS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 
@@ -71,7 +71,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     if not layers:
         raise ValueError("the model has no QuantLinear layers: quantize it first (quantkit.quantize or quantize_model)")
     formats = {name: m.format for name, m in layers.items()}
-    check_fused_formats(formats)
+    check_shared_formats(formats)
     specs = {fmt: flavour.tensor_specs(fmt) for fmt in set(formats.values())}  # a format the flavour lacks fails here
     output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
     for fmt in specs:

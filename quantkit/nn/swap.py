@@ -104,23 +104,41 @@ def assign_formats(names: Iterable[str], format: str, layer_formats: Mapping[str
     for f in (format, *layer_formats.values()):
         get_format(f)
     out = {n: next((f for p, f in layer_formats.items() if matches(n, [p])), format) for n in names}
-    check_fused_formats(out)
+    check_shared_formats(out)
     return out
 
 
-def check_fused_formats(formats: Mapping[str, str]) -> None:
-    """Raise ``ValueError`` where siblings that engines fuse (:data:`FUSED_GROUPS`) have different
-    ``formats`` (module name -> format)."""
-    for members in FUSED_GROUPS:
-        for name in formats:
-            parent, _, leaf = name.rpartition(".")
-            if leaf not in members:
-                continue
-            siblings = [f"{parent}.{m}" if parent else m for m in members]
-            found = {n: formats[n] for n in siblings if n in formats}
-            if len(set(found.values())) > 1:
-                raise ValueError(f"{', '.join(f'{n} -> {f}' for n, f in found.items())}: engines fuse these projections "
-                                 "into one GEMM, so they must share a format; widen or narrow the layer_formats pattern")
+_EXPERT = re.compile(r"(.+\.experts)\.\d+\.[^.]+")  # a per-expert Linear: ...experts.{e}.gate_proj
+
+
+def shared_format_groups(names: Iterable[str]) -> list[list[str]]:
+    """Groups of module ``names`` that must have one format: the siblings engines fuse into one GEMM
+    (:data:`FUSED_GROUPS`, those present), and every expert Linear of an MoE block (vLLM builds one
+    quantized MoE layer from them)."""
+    names = list(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        expert = _EXPERT.fullmatch(name)
+        parent, _, leaf = name.rpartition(".")
+        fused = next((i for i, members in enumerate(FUSED_GROUPS) if leaf in members), None)
+        if expert:
+            groups.setdefault(expert.group(1), []).append(name)
+        elif fused is not None:
+            groups.setdefault(f"{parent}/{fused}", []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def check_shared_formats(formats: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` where a :func:`shared_format_groups` group has different ``formats``
+    (module name -> format)."""
+    for group in shared_format_groups(formats):
+        by_format: dict[str, list[str]] = {}
+        for name in group:
+            by_format.setdefault(formats[name], []).append(name)
+        if len(by_format) > 1:
+            shown = ", ".join(f"{m[0]}{f' (and {len(m) - 1} more)' if len(m) > 1 else ''} -> {f}" for f, m in by_format.items())
+            raise ValueError(f"{shown}: engines run these as one GEMM or one MoE layer, so they must share a format; "
+                             "widen or narrow the layer_formats pattern")
 
 
 def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:

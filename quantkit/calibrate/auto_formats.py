@@ -1,0 +1,127 @@
+"""Automatic mixed precision: which Linear layers get a wider format under a size budget.
+
+In the spirit of ModelOpt's ``auto_quantize``, with a measured score instead of a gradient one:
+
+1. every Linear is quantized to ``format`` by round to nearest (static input scales calibrated);
+2. each *unit* (a decoder layer's siblings that engines fuse, q/k/v or gate/up; all experts of
+   an MoE block; or one Linear) is put back in float alone, and the drop of the model's next-token loss on the calibration
+   tokens is its score (nats per token);
+3. units get ``fallback`` in order of score per extra weight byte, while the weights of the
+   quantized layers stay within ``effective_bits`` per weight on average.
+
+The result is ``Recipe.layer_formats`` (exact names); the recipe then calibrates every layer in
+its format. Scores assume the units' losses add up, which Gemma-3-270M's per-layer recoveries
+roughly do for weight-only NVFP4 (``docs/accuracy.md``, "Where the loss sits").
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.calibrate.recipe import Recipe
+from quantkit.formats import get_format
+from quantkit.nn.experts import linearize_experts
+from quantkit.nn.swap import DEFAULT_IGNORE, plan_layers, shared_format_groups
+
+
+@dataclass
+class Unit:
+    """Linears that get one format together; ``score``: loss recovered in float (nats per token);
+    ``extra_bytes``: weight bytes the fallback format adds over ``format``."""
+
+    names: tuple[str, ...]
+    score: float
+    extra_bytes: int
+    weights: int  # number of weight elements
+
+
+def weight_bytes(format: str, linear: nn.Linear) -> int:
+    """Bytes of ``linear``'s weight in ``format``: values, block scales and tensor scale."""
+    (data, data_dtype), (scale, scale_dtype), tensor_scale = get_format(format).weight.storage(*linear.weight.shape)
+    return math.prod(data) * data_dtype.itemsize + math.prod(scale) * scale_dtype.itemsize + 4 * tensor_scale
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device) -> float:
+    """Mean next-token cross-entropy of ``model`` on token ids ``int64 [S, T]`` (nats per token)."""
+    total, count = 0.0, 0
+    for batch in ids.split(batch_size):
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+@torch.no_grad()
+def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallback: str, effective_bits: float, *,
+                         ignore: Iterable[str] = DEFAULT_IGNORE, batch_size: int = 8,
+                         device: str | torch.device | None = None) -> tuple[dict[str, str], list[Unit]]:
+    """``(layer_formats, units)``: the Linears (exact names) to give ``fallback`` instead of
+    ``format`` so that the quantized weights average at most ``effective_bits`` bits per weight
+    (scales included), chosen by the scores above on calibration token ids ``ids``
+    (``int64 [S, T]``); and every unit with its score, best per byte first. ``model`` is used and
+    left as it was (float); the whole model runs on ``device`` (default: CUDA if present)."""
+    from quantkit.calibrate.distributed import rank_device
+    from quantkit.calibrate.pipeline import quantize
+
+    device = torch.device(device) if device else rank_device()
+    linearize_experts(model)
+    planned, _ = plan_layers(model, format, ignore)
+    eligible, _ = plan_layers(model, fallback, ignore)
+    groups = shared_format_groups(planned)
+    grouped = {n for g in groups for n in g}
+    units = [tuple(g) for g in groups] + [(n,) for n in planned if n not in grouped]
+    units = [u for u in units if all(n in eligible for n in u)]
+    low = {n: weight_bytes(format, m) for n, m in planned.items()}
+    high = {n: weight_bytes(fallback, m) for n, m in eligible.items()}
+    if any(high[n] <= low[n] for n in eligible):
+        raise ValueError(f"fallback {fallback} does not take more bytes per weight than {format}")
+    weights = {n: m.weight.numel() for n, m in planned.items()}
+    budget = effective_bits * sum(weights.values()) / 8 - sum(low.values())
+    if budget < 0:
+        raise ValueError(f"{format} alone takes {8 * sum(low.values()) / sum(weights.values()):.2f} bits per weight, "
+                         f"more than effective_bits={effective_bits}")
+
+    home = next(model.parameters()).device
+    quantize(model, Recipe(format, ("rtn",), tuple(ignore)), ids, batch_size=batch_size, device=device)
+    quantized = {n: model.get_submodule(n) for n in planned}
+    model.to(device)
+    try:
+        base = calibration_loss(model, ids, batch_size, device)
+        scored = []
+        for unit in units:
+            for n in unit:
+                _set(model, n, planned[n].to(device))
+            scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size, device),
+                               sum(high[n] - low[n] for n in unit), sum(weights[n] for n in unit)))
+            for n in unit:
+                _set(model, n, quantized[n])
+    finally:
+        for n, linear in planned.items():
+            _set(model, n, linear)
+        model.to(home)
+    scored.sort(key=lambda u: u.score / max(u.extra_bytes, 1), reverse=True)
+    chosen = {}
+    for unit in scored:
+        if unit.score > 0 and unit.extra_bytes <= budget:
+            budget -= unit.extra_bytes
+            chosen.update(dict.fromkeys(unit.names, fallback))
+    return chosen, scored
+
+
+def effective_bits(model: nn.Module, format: str, layer_formats: dict[str, str],
+                   ignore: Iterable[str] = DEFAULT_IGNORE) -> float:
+    """Bits per weight (scales included) of ``model``'s quantized Linears in ``format``, with
+    ``layer_formats`` (exact names) overriding it."""
+    planned, _ = plan_layers(model, format, ignore)
+    total = sum(weight_bytes(layer_formats.get(n, format), m) for n, m in planned.items())
+    return 8 * total / sum(m.weight.numel() for m in planned.values())
