@@ -215,7 +215,11 @@ def test_errors_name_the_problem(calibrated, tmp_path):
 def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
     """search_layer_formats keeps within the bits-per-weight budget, leaves the model as it was,
     and its choice calibrates to a lower loss than the same bytes spent on the lowest-scored units."""
-    from quantkit.calibrate.auto_formats import calibration_loss, effective_bits, search_layer_formats
+    from quantkit.calibrate.auto_formats import (
+        calibration_loss,
+        effective_bits,
+        search_layer_formats,
+    )
 
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
