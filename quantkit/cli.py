@@ -88,6 +88,7 @@ def quantize(
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.distributed import init_from_env, is_main
     from quantkit.export import FLAVOURS, save
+    from quantkit.formats import get_format
     from quantkit.models import load_model
 
     check_device(device)
@@ -99,13 +100,13 @@ def quantize(
         if effective_bits is not None:
             if layer_format:
                 raise ValueError("--effective-bits chooses the layer formats itself: drop --layer-format")
-            Recipe(fallback)  # an unknown fallback format fails now
+            get_format(fallback)  # an unknown fallback format fails now
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
         if export == "modelopt":
             from quantkit.export.modelopt import tensor_specs
 
-            for fmt in (recipe.format, *recipe.layer_formats.values(), *([fallback] if effective_bits else [])):
+            for fmt in (recipe.format, *recipe.layer_formats.values(), *([fallback] if effective_bits is not None else [])):
                 tensor_specs(fmt)  # a format ModelOpt lacks fails now, not after calibration
         with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)

@@ -49,7 +49,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     safetensors weights (sharded with an index above ``max_shard_bytes``), the generation config,
     the tokenizer when given, and ModelOpt's ``hf_quant_config.json``. The
     :class:`~quantkit.nn.QuantLinear` layers may have different formats (a mixed-precision
-    checkpoint, fused siblings such as q/k/v sharing one); the model's other ``nn.Linear`` layers
+    checkpoint; fused siblings such as q/k/v, and one MoE block's experts, share one); the model's other ``nn.Linear`` layers
     and its MoE routers are listed as ignored. Tensors take the names of the model's hub checkpoint
     (what ``save_pretrained`` writes, :class:`~quantkit.export.names.CheckpointNames`); MoE experts
     are written per expert (``...experts.{e}.gate_proj.weight_packed`` etc.), as vLLM's MoE
@@ -57,8 +57,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, *, export: str = "compres
     :mod:`quantkit.nn.kv_cache`) also gets its per-layer ``k_scale`` / ``v_scale`` and the
     flavour's KV-cache entry in the config. The write is atomic (see :func:`quantkit.export.io.atomic_directory`).
     Raises ``ValueError`` for a model without QuantLinear layers or with fused projections
-    (:func:`quantkit.fuse_projections`), fused siblings of different formats, a format the flavour lacks, or a static-activation format
-    (nvfp4, fp8) whose layers have no calibrated ``input_scale``.
+    (:func:`quantkit.fuse_projections`), fused siblings or one MoE block's experts in different
+    formats, a format the flavour lacks, or a static-activation format (nvfp4, fp8) whose layers
+    have no calibrated ``input_scale``.
     """
     flavour = _flavour(export)
     config = getattr(model, "config", None)
