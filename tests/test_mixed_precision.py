@@ -240,7 +240,7 @@ def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
     for label, layer_formats in (("chosen", chosen), ("worst", worst)):
         m = tiny_llama()
         quantkit.quantize(m, Recipe("nvfp4", ("rtn",), layer_formats=layer_formats), IDS)
-        losses[label] = calibration_loss(m, IDS, 8, torch.device("cpu"))
+        losses[label] = calibration_loss(m, IDS, 8)
     assert losses["chosen"] < losses["worst"], losses
     with pytest.raises(ValueError, match="nvfp4 alone takes 4.50 bits per weight, more than effective_bits=4"):
         search_layer_formats(model, IDS, "nvfp4", "fp8-block", 4, device="cpu")

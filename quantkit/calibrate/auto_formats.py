@@ -36,7 +36,6 @@ class Unit:
     names: tuple[str, ...]
     score: float
     extra_bytes: int
-    weights: int  # number of weight elements
 
 
 def weight_bytes(format: str, linear: nn.Linear) -> int:
@@ -50,15 +49,13 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device) -> float:
-    """Mean next-token cross-entropy of ``model`` on token ids ``int64 [S, T]`` (nats per token)."""
-    total, count = 0.0, 0
-    for batch in ids.split(batch_size):
-        batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return total / count
+def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token cross-entropy of ``model`` on token ids ``int64 [S, T]`` (nats per token),
+    ``batch_size`` sequences per forward pass."""
+    from quantkit.eval.perplexity import window_nll
+
+    total = sum(window_nll(model, batch).sum().item() for batch in ids.split(batch_size))
+    return total / (ids.shape[0] * (ids.shape[1] - 1))
 
 
 @torch.no_grad()
@@ -85,10 +82,10 @@ def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallb
     high = {n: weight_bytes(fallback, m) for n, m in eligible.items()}
     if any(high[n] <= low[n] for n in eligible):
         raise ValueError(f"fallback {fallback} does not take more bytes per weight than {format}")
-    weights = {n: m.weight.numel() for n, m in planned.items()}
-    budget = effective_bits * sum(weights.values()) / 8 - sum(low.values())
+    weights = sum(m.weight.numel() for m in planned.values())
+    budget = effective_bits * weights / 8 - sum(low.values())
     if budget < 0:
-        raise ValueError(f"{format} alone takes {8 * sum(low.values()) / sum(weights.values()):.2f} bits per weight, "
+        raise ValueError(f"{format} alone takes {8 * sum(low.values()) / weights:.2f} bits per weight, "
                          f"more than effective_bits={effective_bits}")
 
     home = next(model.parameters()).device
@@ -96,13 +93,13 @@ def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallb
     quantized = {n: model.get_submodule(n) for n in planned}
     model.to(device)
     try:
-        base = calibration_loss(model, ids, batch_size, device)
+        base = calibration_loss(model, ids, batch_size)
         scored = []
         for unit in units:
             for n in unit:
                 _set(model, n, planned[n].to(device))
-            scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size, device),
-                               sum(high[n] - low[n] for n in unit), sum(weights[n] for n in unit)))
+            scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size),
+                               sum(high[n] - low[n] for n in unit)))
             for n in unit:
                 _set(model, n, quantized[n])
     finally:
