@@ -244,3 +244,27 @@ def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
     assert losses["chosen"] < losses["worst"], losses
     with pytest.raises(ValueError, match="nvfp4 alone takes 4.50 bits per weight, more than effective_bits=4"):
         search_layer_formats(model, IDS, "nvfp4", "fp8-block", 4, device="cpu")
+
+
+def test_automatic_search_scores_units_on_the_calibrated_model():
+    """With a calibrating recipe, each unit's score is the loss of the model calibrated by that
+    recipe minus its loss with the unit alone in the fallback format (recomputed here); AWQ's
+    smoothing, folded in place, goes into a copy: the caller's model is left as it was."""
+    from quantkit.calibrate.auto_formats import calibration_loss, search_layer_formats
+
+    model = tiny_llama()
+    _, units = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, algorithms=("mse",), device="cpu")
+    calibrated = tiny_llama()
+    quantkit.quantize(calibrated, Recipe("nvfp4", ("mse",)), IDS)
+    base = calibration_loss(calibrated, IDS, 8)
+    for unit in units:
+        swapped = copy.deepcopy(calibrated)
+        for name in unit.names:
+            parent, _, leaf = name.rpartition(".")
+            setattr(swapped.get_submodule(parent), leaf, QuantLinear.from_linear(model.get_submodule(name), "fp8-block"))
+        assert unit.score == pytest.approx(base - calibration_loss(swapped, IDS, 8), abs=1e-9)
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    chosen, _ = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, algorithms=("awq", "mse"), device="cpu")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert set(chosen.values()) <= {"fp8-block"}

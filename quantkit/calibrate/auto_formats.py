@@ -2,19 +2,24 @@
 
 In the spirit of ModelOpt's ``auto_quantize``, with a measured score instead of a gradient one:
 
-1. every Linear is quantized to ``format`` by round to nearest (static input scales calibrated);
+1. a copy of the model is calibrated to ``format`` everywhere by the recipe's own algorithms
+   (AWQ's smoothing folded, MSE scales, ...; round to nearest by default);
 2. each *unit* (a decoder layer's siblings that engines fuse, q/k/v or gate/up; all experts of
-   an MoE block; or one Linear) is put back in float alone, and the drop of the model's next-token loss on the calibration
-   tokens is its score (nats per token);
+   an MoE block; or one Linear) is put in ``fallback`` alone (round to nearest on its calibrated
+   float weights), and the drop of the model's next-token loss on the calibration tokens is its
+   score (nats per token);
 3. units get ``fallback`` in order of score per extra weight byte, while the weights of the
    quantized layers stay within ``effective_bits`` per weight on average.
 
 The result is ``Recipe.layer_formats`` (exact names); the recipe then calibrates every layer in
 its format. Scores assume the units' losses add up, which Gemma-3-270M's per-layer recoveries
-roughly do for weight-only NVFP4 (``docs/accuracy.md``, "Where the loss sits").
+roughly do for weight-only NVFP4 (``docs/accuracy.md``, "Where the loss sits"). Scoring under the
+calibrated recipe rather than round to nearest matters where calibration repairs some layers more
+than others (AWQ and the MLP's ``down_proj`` under NVFP4 W4A4, ``docs/accuracy.md``).
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +35,7 @@ from quantkit.nn.swap import DEFAULT_IGNORE, plan_layers, shared_format_groups
 
 @dataclass
 class Unit:
-    """Linears that get one format together; ``score``: loss recovered in float (nats per token);
+    """Linears that get one format together; ``score``: loss recovered in the fallback format (nats per token);
     ``extra_bytes``: weight bytes the fallback format adds over ``format``."""
 
     names: tuple[str, ...]
@@ -60,18 +65,22 @@ def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int) -> fl
 
 @torch.no_grad()
 def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallback: str, effective_bits: float, *,
+                         algorithms: Iterable[str] = ("rtn",), options: dict | None = None,
                          ignore: Iterable[str] = DEFAULT_IGNORE, batch_size: int = 8,
                          device: str | torch.device | None = None) -> tuple[dict[str, str], list[Unit]]:
     """``(layer_formats, units)``: the Linears (exact names) to give ``fallback`` instead of
     ``format`` so that the quantized weights average at most ``effective_bits`` bits per weight
     (scales included), chosen by the scores above on calibration token ids ``ids``
-    (``int64 [S, T]``); and every unit with its score, best per byte first. ``model`` is used and
-    left as it was (float); the whole model runs on ``device`` (default: CUDA if present)."""
+    (``int64 [S, T]``), with ``format`` calibrated by ``algorithms`` (and their ``options``, as
+    in :class:`Recipe`); and every unit with its score, best per byte first. ``model`` is left as
+    it was: the search calibrates a copy, which runs whole on ``device`` (default: CUDA if present)."""
     from quantkit.calibrate.distributed import rank_device
     from quantkit.calibrate.pipeline import quantize
+    from quantkit.nn.linear import QuantLinear
 
     device = torch.device(device) if device else rank_device()
-    linearize_experts(model)
+    linearize_experts(model)  # as the pipeline will: the names below are of per-expert Linears
+    model = copy.deepcopy(model)
     planned, _ = plan_layers(model, format, ignore)
     eligible, _ = plan_layers(model, fallback, ignore)
     groups = shared_format_groups(planned)
@@ -88,24 +97,21 @@ def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallb
         raise ValueError(f"{format} alone takes {8 * sum(low.values()) / weights:.2f} bits per weight, "
                          f"more than effective_bits={effective_bits}")
 
-    home = next(model.parameters()).device
-    quantize(model, Recipe(format, ("rtn",), tuple(ignore)), ids, batch_size=batch_size, device=device)
-    quantized = {n: model.get_submodule(n) for n in planned}
+    # The pipeline folds smoothing into these float Linears in place, so after it they hold the
+    # calibrated model's float weights.
+    quantize(model, Recipe(format, tuple(algorithms), tuple(ignore), options=options or {}), ids,
+             batch_size=batch_size, device=device)
     model.to(device)
-    try:
-        base = calibration_loss(model, ids, batch_size)
-        scored = []
-        for unit in units:
-            for n in unit:
-                _set(model, n, planned[n].to(device))
-            scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size),
-                               sum(high[n] - low[n] for n in unit)))
-            for n in unit:
-                _set(model, n, quantized[n])
-    finally:
-        for n, linear in planned.items():
-            _set(model, n, linear)
-        model.to(home)
+    base = calibration_loss(model, ids, batch_size)
+    scored = []
+    for unit in units:
+        calibrated = {n: model.get_submodule(n) for n in unit}
+        for n in unit:
+            _set(model, n, QuantLinear.from_linear(planned[n].to(device), fallback))
+        scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size),
+                           sum(high[n] - low[n] for n in unit)))
+        for n, module in calibrated.items():
+            _set(model, n, module)
     scored.sort(key=lambda u: u.score / max(u.extra_bytes, 1), reverse=True)
     chosen = {}
     for unit in scored:
