@@ -200,8 +200,7 @@ def main() -> None:
             model = copy.deepcopy(base)
             t = time.time()
             if args.effective_bits is not None:
-                chosen, _ = search_layer_formats(model, calib, fmt, args.fallback, args.effective_bits, algorithms=recipe.algorithms,
-                                                  options=recipe.options, device=args.device)
+                chosen, _ = search_layer_formats(model, calib, recipe, args.fallback, args.effective_bits, device=args.device)
                 recipe = dataclasses.replace(recipe, layer_formats=chosen)
             linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
             bits = effective_bits(base, fmt, assign_formats(linears, fmt, recipe.layer_formats))

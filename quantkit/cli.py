@@ -127,8 +127,7 @@ def quantize(
                 from quantkit.calibrate.auto_formats import effective_bits as bits_of, search_layer_formats
 
                 task = bars.add_task(f"choosing {fallback} layers within {effective_bits} bits per weight", total=None)
-                chosen, _ = search_layer_formats(lm, ids, recipe.format, fallback, effective_bits, algorithms=recipe.algorithms,
-                                                 options=recipe.options, ignore=recipe.ignore, batch_size=batch_size, device=device)
+                chosen, _ = search_layer_formats(lm, ids, recipe, fallback, effective_bits, batch_size=batch_size, device=device)
                 recipe = dataclasses.replace(recipe, layer_formats=chosen)
                 bars.update(task, total=1, completed=1,
                             description=f"{len(chosen)} layers in {fallback}: {bits_of(lm, recipe.format, chosen, recipe.ignore):.2f} bits per weight")

@@ -22,6 +22,7 @@ from quantkit.nn import QuantLinear, quantize_model
 from quantkit.nn.swap import assign_formats
 
 IDS = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+RTN = Recipe("nvfp4", ("rtn",))
 ATTENTION_FP8 = {"*self_attn*": "fp8-block"}
 
 
@@ -223,7 +224,7 @@ def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
 
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    chosen, units = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, device="cpu")
+    chosen, units = search_layer_formats(model, IDS, RTN, "fp8-block", 5.5, device="cpu")
     assert {type(m).__name__ for m in model.modules()} == {type(m).__name__ for m in tiny_llama().modules()}
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert len(units) == 2 * 4  # q/k/v, o, gate/up, down per layer
@@ -243,7 +244,9 @@ def test_automatic_search_spends_the_budget_where_the_loss_recovers_most():
         losses[label] = calibration_loss(m, IDS, 8)
     assert losses["chosen"] < losses["worst"], losses
     with pytest.raises(ValueError, match="nvfp4 alone takes 4.50 bits per weight, more than effective_bits=4"):
-        search_layer_formats(model, IDS, "nvfp4", "fp8-block", 4, device="cpu")
+        search_layer_formats(model, IDS, RTN, "fp8-block", 4, device="cpu")
+    with pytest.raises(ValueError, match="chooses the layer formats itself"):
+        search_layer_formats(model, IDS, Recipe("nvfp4", ("rtn",), layer_formats={"*mlp*": "fp8-block"}), "fp8-block", 5.5)
 
 
 def test_automatic_search_scores_units_on_the_calibrated_model():
@@ -253,7 +256,7 @@ def test_automatic_search_scores_units_on_the_calibrated_model():
     from quantkit.calibrate.auto_formats import calibration_loss, search_layer_formats
 
     model = tiny_llama()
-    _, units = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, algorithms=("mse",), device="cpu")
+    _, units = search_layer_formats(model, IDS, Recipe("nvfp4", ("mse",)), "fp8-block", 5.5, device="cpu")
     calibrated = tiny_llama()
     quantkit.quantize(calibrated, Recipe("nvfp4", ("mse",)), IDS)
     base = calibration_loss(calibrated, IDS, 8)
@@ -265,6 +268,6 @@ def test_automatic_search_scores_units_on_the_calibrated_model():
         assert unit.score == pytest.approx(base - calibration_loss(swapped, IDS, 8), abs=1e-9)
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    chosen, _ = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, algorithms=("awq", "mse"), device="cpu")
+    chosen, _ = search_layer_formats(model, IDS, "nvfp4", "fp8-block", 5.5, device="cpu")  # awq+mse
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert set(chosen.values()) <= {"fp8-block"}

@@ -2,8 +2,8 @@
 
 In the spirit of ModelOpt's ``auto_quantize``, with a measured score instead of a gradient one:
 
-1. a copy of the model is calibrated to ``format`` everywhere by the recipe's own algorithms
-   (AWQ's smoothing folded, MSE scales, ...; round to nearest by default);
+1. a copy of the model is calibrated to the recipe's format everywhere by the recipe itself
+   (AWQ's smoothing folded, MSE scales, static input scales, ...);
 2. each *unit* (a decoder layer's siblings that engines fuse, q/k/v or gate/up; all experts of
    an MoE block; or one Linear) is put in ``fallback`` alone (round to nearest on its calibrated
    float weights), and the drop of the model's next-token loss on the calibration tokens is its
@@ -36,7 +36,7 @@ from quantkit.nn.swap import DEFAULT_IGNORE, plan_layers, shared_format_groups
 @dataclass
 class Unit:
     """Linears that get one format together; ``score``: loss recovered in the fallback format (nats per token);
-    ``extra_bytes``: weight bytes the fallback format adds over ``format``."""
+    ``extra_bytes``: weight bytes the fallback format adds over the recipe's format."""
 
     names: tuple[str, ...]
     score: float
@@ -64,20 +64,22 @@ def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int) -> fl
 
 
 @torch.no_grad()
-def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallback: str, effective_bits: float, *,
-                         algorithms: Iterable[str] = ("rtn",), options: dict | None = None,
-                         ignore: Iterable[str] = DEFAULT_IGNORE, batch_size: int = 8,
-                         device: str | torch.device | None = None) -> tuple[dict[str, str], list[Unit]]:
-    """``(layer_formats, units)``: the Linears (exact names) to give ``fallback`` instead of
-    ``format`` so that the quantized weights average at most ``effective_bits`` bits per weight
-    (scales included), chosen by the scores above on calibration token ids ``ids``
-    (``int64 [S, T]``), with ``format`` calibrated by ``algorithms`` (and their ``options``, as
-    in :class:`Recipe`); and every unit with its score, best per byte first. ``model`` is left as
-    it was: the search calibrates a copy, which runs whole on ``device`` (default: CUDA if present)."""
+def search_layer_formats(model: nn.Module, ids: torch.Tensor, recipe: Recipe | str, fallback: str, effective_bits: float, *,
+                         batch_size: int = 8, device: str | torch.device | None = None) -> tuple[dict[str, str], list[Unit]]:
+    """``(layer_formats, units)``: the Linears (exact names) to give ``fallback`` instead of the
+    ``recipe``'s format (a format name: its default recipe) so that the quantized weights average
+    at most ``effective_bits`` bits per weight (scales included), chosen by the scores above on
+    calibration token ids ``ids`` (``int64 [S, T]``); and every unit with its score, best per byte
+    first. ``model`` is left as it was: the search calibrates a copy, which runs whole on
+    ``device`` (default: CUDA if present)."""
     from quantkit.calibrate.distributed import rank_device
     from quantkit.calibrate.pipeline import quantize
     from quantkit.nn.linear import QuantLinear
 
+    recipe = recipe if isinstance(recipe, Recipe) else Recipe(recipe)
+    if recipe.layer_formats:
+        raise ValueError("search_layer_formats chooses the layer formats itself: give it a recipe without layer_formats")
+    format, ignore = recipe.format, recipe.ignore
     device = torch.device(device) if device else rank_device()
     linearize_experts(model)  # as the pipeline will: the names below are of per-expert Linears
     model = copy.deepcopy(model)
@@ -99,8 +101,7 @@ def search_layer_formats(model: nn.Module, ids: torch.Tensor, format: str, fallb
 
     # The pipeline folds smoothing into these float Linears in place, so after it they hold the
     # calibrated model's float weights.
-    quantize(model, Recipe(format, tuple(algorithms), tuple(ignore), options=options or {}), ids,
-             batch_size=batch_size, device=device)
+    quantize(model, recipe, ids, batch_size=batch_size, device=device)
     model.to(device)
     base = calibration_loss(model, ids, batch_size)
     scored = []
