@@ -49,11 +49,6 @@ def weight_bytes(format: str, linear: nn.Linear) -> int:
     return math.prod(data) * data_dtype.itemsize + math.prod(scale) * scale_dtype.itemsize + 4 * tensor_scale
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def calibration_loss(model: nn.Module, ids: torch.Tensor, batch_size: int) -> float:
     """Mean next-token cross-entropy of ``model`` on token ids ``int64 [S, T]`` (nats per token),
     ``batch_size`` sequences per forward pass."""
@@ -108,11 +103,11 @@ def search_layer_formats(model: nn.Module, ids: torch.Tensor, recipe: Recipe | s
     for unit in units:
         calibrated = {n: model.get_submodule(n) for n in unit}
         for n in unit:
-            _set(model, n, QuantLinear.from_linear(planned[n].to(device), fallback))
+            model.set_submodule(n, QuantLinear.from_linear(planned[n].to(device), fallback))
         scored.append(Unit(unit, base - calibration_loss(model, ids, batch_size),
                            sum(high[n] - low[n] for n in unit)))
         for n, module in calibrated.items():
-            _set(model, n, module)
+            model.set_submodule(n, module)
     scored.sort(key=lambda u: u.score / max(u.extra_bytes, 1), reverse=True)
     chosen = {}
     for unit in scored:

@@ -225,8 +225,7 @@ def _load_layer(model: nn.Module, name: str, disk: str, linear: nn.Linear, fmt: 
     layer.load_quantized(qweight, None if input_scale is None else input_scale.reshape(()))
     if layer.bias is not None:
         layer.bias.data.copy_(tensors.take(f"{disk}.bias", _FLOATS, (n,)))
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    model.set_submodule(name, layer)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

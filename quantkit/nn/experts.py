@@ -151,8 +151,7 @@ def linearize_experts(model: nn.Module) -> dict[str, str]:
         if reason:
             skipped[name] = reason
             continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, to_linear_experts(module))
+        model.set_submodule(name, to_linear_experts(module))
     return skipped
 
 

@@ -232,6 +232,5 @@ def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str
             name, tuple(w.shape), format=formats[name], sqnr_db=sqnr_db(w, qw.dequantize()),
             bytes_before=w.numel() * w.element_size(),
             bytes_after=sum(t.numel() * t.element_size() for t in (q.weight, q.weight_scale))))
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, q)
+        model.set_submodule(name, q)
     return report
