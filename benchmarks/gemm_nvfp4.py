@@ -505,8 +505,7 @@ def run_pad_ab(shapes, fh):
             _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in PAD_MS:
-                cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False,
-                                   ng.LAYOUT.name)
+                cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False)
                 if ng.tma_rows(m, cfg, False) == m:
                     continue  # no padding: nothing to compare
                 unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m)

@@ -63,26 +63,11 @@ def test_prepare_zeroes_codes_of_zero_scale_blocks():
     assert (unpack_nibbles(back_packed)[0, :16] == 0).all() and (unpack_nibbles(packed)[0, :16] != 0).any()
 
 
-@pytest.fixture(params=[ng.BF16_LAYOUT, ng.E4M3_LAYOUT], ids=lambda layout: layout.name)
-def layout(request, monkeypatch):
-    """Each code layout in turn, as the one :func:`ng.prepare` writes and the kernels decode."""
-    monkeypatch.setattr(ng, "LAYOUT", request.param)
-    return request.param
+def test_decode_bit_layout_is_a_bijection():
+    assert sorted(b for v in ng.SOURCE_BITS for b in v) == list(range(32))
 
 
-def test_decode_bit_layout_is_a_bijection(layout):
-    assert sorted(b for v in layout.source_bits for b in v) == list(range(32))
-
-
-def test_decode_instruction_counts(layout):
-    """Shift/logic instructions per k16 word: one per nonzero rotation, one mask-and-OR per group."""
-    def count(plans):
-        return len({rot for plan in plans for rot, _ in plan if rot}) + sum(len(plan) for plan in plans)
-    assert count(ng.w4a16_plans(layout)) == {"bf16": 11, "e4m3": 15}[layout.name]
-    assert count(ng.w4a8_plans(layout)) == {"bf16": 14, "e4m3": 5}[layout.name]
-
-
-def test_scale_bytes_encode_every_e4m3_scale_exactly(layout):
+def test_scale_bytes_encode_every_e4m3_scale_exactly():
     allv = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 0 .. 448
     t = ng.encode_scales(allv).to(torch.int64)
     assert torch.equal(ng.decode_scales(t), allv.float())
@@ -91,23 +76,15 @@ def test_scale_bytes_encode_every_e4m3_scale_exactly(layout):
     nz = s > 0
     bf16 = (((t << 4) + (ng.W16_EXP_BIAS << 7)) << 16).to(torch.int32).view(torch.float32).double()
     assert torch.equal(bf16[nz], s[nz] * 2.0 ** 119)
-    bias = layout.w8_exp_bias
     for c in (-9, 0, 3, 8):
-        f16 = ((t << 7) + ((bias - c) << 10)).to(torch.int16).view(torch.float16).double()
+        f16 = ((t << 7) + ((ng.W8_EXP_BIAS - c) << 10)).to(torch.int16).view(torch.float16).double()
         keep = nz & (s < 2.0 ** (c + 1))  # scales a row with exponent c can hold
-        assert torch.equal(f16[keep], s[keep] * 2.0 ** (bias - 5 - c))
+        assert torch.equal(f16[keep], s[keep] * 2.0 ** (14 - c))
 
 
 # ----------------------------------------------------------------------------- register replay
 def _rotl(q: torch.Tensor, r: int) -> torch.Tensor:
     return ((q << r) | (q >> (32 - r))) & 0xFFFFFFFF if r else q
-
-
-def _gather(q: torch.Tensor, plan) -> torch.Tensor:
-    out = torch.zeros_like(q)
-    for rot, mask in plan:
-        out |= _rotl(q, rot) & mask
-    return out
 
 
 def _lanes(word: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +125,8 @@ def replay_w4a16(w) -> torch.Tensor:
         q = code[:, :, b]  # [nb, kt, 128]
         e = (scale[:, :, t // 4, b // 2] >> (8 * (b % 2))) & 0x00FF00FF
         sc_lo, sc_hi = _lanes((e * 16 + (ng.W16_EXP_BIAS << 7) * 0x10001) & 0xFFFFFFFF, torch.bfloat16)
-        for j, plan in enumerate(ng.w4a16_plans(ng.LAYOUT)):
-            x = _gather(q, plan)
+        for j in range(4):
+            x = (_rotl(q, ng.MAG_ROT[j]) & 0x01C001C0) | (_rotl(q, ng.SIGN_ROT[j]) & 0x80008000)
             s = sc_hi if j % 2 else sc_lo
             for hi, v in enumerate(_lanes(x, torch.bfloat16)):
                 row, k = _fragment_position(t, b, j, hi)
@@ -166,30 +143,24 @@ def replay_w4a8(w) -> torch.Tensor:
     t = torch.arange(128)
     rows = torch.arange(nb)[:, None] * 64 + 16 * (t // 32) + (t % 32) // 4  # [nb, 128]
     c0, c1 = w.row_exp[rows].to(torch.int64), w.row_exp[rows + 8].to(torch.int64)
-    bias = ng.LAYOUT.w8_exp_bias
-    krows = (((bias - c0) << 10) | ((bias - c1) << 26))[:, None, :]
-    plans = ng.w4a8_plans(ng.LAYOUT)
+    krows = (((ng.W8_EXP_BIAS - c0) << 10) | ((ng.W8_EXP_BIAS - c1) << 26))[:, None, :]
     for b in range(8):
         q = code[:, :, b]
         e = (scale[:, :, t // 4, b // 2] >> (8 * (b % 2))) & 0x00FF00FF
-        sc = _lanes((e * 128 + krows) & 0xFFFFFFFF, torch.float16)  # (row r, row r+8)
-        if ng.LAYOUT.e4m3:  # register per row: 4 E4M3 bytes (e2m1 * 2^-6), widened to f16 exactly
-            parts = [((row8, ng.LAYOUT.fp8_bytes[row8][j]), (_gather(q, plans[row8]) >> (8 * j)) & 0xFF)
-                     for row8 in range(2) for j in range(4)]
-            decoded = [(v, sc[row8], bits.to(torch.uint8).view(torch.float8_e4m3fn).double()) for (row8, v), bits in parts]
-        else:  # f16x2 register per pair
-            decoded = [(2 * j + hi, sc[j % 2], val) for j, plan in enumerate(plans)
-                       for hi, val in enumerate(_lanes(_gather(q, plan), torch.float16))]
-        for v, s, val in decoded:
-            p = val * s
-            assert torch.equal(p.half().double(), p)  # the f16 multiply is exact
-            row, k = _fragment_position(t, b, v // 2, v % 2)
-            out[:, :, row, k] = e4m3_round_f64(p)
+        sc_lo, sc_hi = _lanes((e * 128 + krows) & 0xFFFFFFFF, torch.float16)
+        for j in range(4):
+            x = (_rotl(q, (ng.MAG_ROT[j] + 3) % 32) & 0x0E000E00) | (_rotl(q, ng.SIGN_ROT[j]) & 0x80008000)
+            s = sc_hi if j % 2 else sc_lo
+            for hi, v in enumerate(_lanes(x, torch.float16)):
+                p = v * s
+                assert torch.equal(p.half().double(), p)  # the f16 multiply is exact
+                row, k = _fragment_position(t, b, j, hi)
+                out[:, :, row, k] = e4m3_round_f64(p)
     return out.permute(0, 2, 1, 3).reshape(nb * 64, kt * 128)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_w4a16_register_decode_is_exact(seed, layout):
+def test_w4a16_register_decode_is_exact(seed):
     packed, scale, ts = random_nvfp4(128, 256, seed)
     w = ng.prepare(packed, scale, ts)
     expect = dequant_f64(packed, scale) * 2.0 ** -7
@@ -197,7 +168,7 @@ def test_w4a16_register_decode_is_exact(seed, layout):
     assert torch.equal(replay_w4a16(w)[:128], expect)
 
 
-def test_w4a8_register_decode_equals_reference_rounding(layout):
+def test_w4a8_register_decode_equals_reference_rounding():
     packed, scale, ts = random_nvfp4(128, 256, seed=2)
     w = ng.prepare(packed, scale, ts)
     expect = w4a8.weight_to_fp8(packed, scale).double()
@@ -205,19 +176,18 @@ def test_w4a8_register_decode_equals_reference_rounding(layout):
     assert torch.equal(replay_w4a8(w)[:128], expect)
 
 
-def test_w4a8_k_permutation_matches_fp8_fragment_slots(layout):
+def test_w4a8_k_permutation_matches_fp8_fragment_slots():
     perm = ng.w4a8_k_permutation(256)
     assert torch.equal(perm.sort().values, torch.arange(256))
-    # FP8 register (row r or r+8, half h) of thread c holds slots 4c..4c+3 (+16h) of a 32-column
-    # group; the decode fills byte j with value fp8_bytes[row][j], whose column is the one the
-    # bf16 fragment gives it (k16 block 2*grp + h). Both rows must agree.
-    for row8 in range(2):
-        for grp in range(8):
-            for h in range(2):
-                for c in range(4):
-                    for j, v in enumerate(layout.fp8_bytes[row8]):
-                        _, col = _fragment_position(torch.tensor(c), 2 * grp + h, v // 2, v % 2)
-                        assert perm[32 * grp + 16 * h + 4 * c + j] == col
+    # FP8 register (row r, half h) of thread c holds bytes 4c..4c+3 (+16h) of a 32-column group;
+    # the decode fills them with bf16-layout columns 2c, 2c+1, 2c+8, 2c+9 (+16h).
+    for grp in range(8):
+        for h in range(2):
+            for c in range(4):
+                for jj in range(2):
+                    for lohi in range(2):
+                        slot = 32 * grp + 16 * h + 4 * c + 2 * jj + lohi
+                        assert perm[slot] == 32 * grp + 16 * h + 2 * c + 8 * jj + lohi
 
 
 # ----------------------------------------------------------------------------- W4A8 numerics

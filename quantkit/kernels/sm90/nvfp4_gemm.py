@@ -59,74 +59,33 @@ SCALE_BYTES = ROWS * BK // 16
 TILE_BYTES = CODE_BYTES + SCALE_BYTES
 ROW_PAD = 2 * ROWS  # prepared rows are a multiple of this (whole 2-warpgroup CTAs, SwiGLU pairs)
 W16_EXP_BIAS = 236  # scale byte t -> bf16 bits (t << 4) + (236 << 7) = s_b * 2^119
+W8_EXP_BIAS = 19  # scale byte t -> f16 bits (t << 7) + ((19 - c_n) << 10) = s_b * 2^(14 - c_n)
 _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
 
 # ---------------------------------------------------------------------------------------- layout
 # A k16 word holds the 8 values of one thread for one 16-K block, as 4 bf16x2 WGMMA registers:
 # pair 0 = (row r, k, k+1), pair 1 = (row r+8, k, k+1), pair 2 = (row r, k+8, k+9),
-# pair 3 = (row r+8, k+8, k+9), with r = 16*warp + lane//4 and k = 2*(lane%4); value
-# v = 2*pair + (0 lo | 1 hi). A decode puts each value's E2M1 bits (m, e0, e1, sign) where its
-# register wants them, as an OR of masked rotations of the word (:func:`gather_plan`).
-BF16_BITS = ((6, 7, 8, 15), (22, 23, 24, 31))  # (lo, hi) lane of a bf16x2: e2m1 * 2^-126
-F16_BITS = ((9, 10, 11, 15), (25, 26, 27, 31))  # (lo, hi) lane of an f16x2: e2m1 * 2^-14
-E4M3_BITS = tuple((8 * j + 2, 8 * j + 3, 8 * j + 4, 8 * j + 7) for j in range(4))  # byte j: e2m1 * 2^-6
+# pair 3 = (row r+8, k+8, k+9), with r = 16*warp + lane//4 and k = 2*(lane%4).
+# Decoding pair j puts its lo value's E2M1 bits (m, e0, e1, sign) at bf16 bits (6, 7, 8, 15)
+# and its hi value's at (22, 23, 24, 31): magnitude bits come from rotl(word, MAG_ROT[j]),
+# sign bits from rotl(word, SIGN_ROT[j]) (a rotation search found this 11-instruction set).
+MAG_ROT = (0, 3, 6, 13)
+SIGN_ROT = (0, 3, 1, 2)
+_OUT_BITS = ((6, 7, 8, 15), (22, 23, 24, 31))  # (lo, hi) value: bf16 bit of code bits 0..3
 
 
-@dataclass(frozen=True)
-class CodeLayout:
-    """Where a k16 word keeps each value's code bits, and how W4A8 decodes it.
-
-    ``source_bits[v][i]``: the word bit of code bit ``i`` of value ``v``. ``fp8_bytes``: the
-    values of the row-r and row-(r+8) W4A8 E4M3 registers in byte order (so within each 32-K group
-    the FP8 fragment slot ``4c + j`` reads K offset ``2c + dk[fp8_bytes[0][j]]``, see
-    :func:`w4a8_k_permutation`). ``e4m3``: W4A8 gathers the codes of a register to
-    :data:`E4M3_BITS` and widens them with ``cvt.f16x2.e4m3x2``; else to :data:`F16_BITS` by pairs."""
-
-    name: str
-    source_bits: tuple[tuple[int, ...], ...]
-    fp8_bytes: tuple[tuple[int, ...], tuple[int, ...]]
-    e4m3: bool
-
-    @property
-    def w8_exp_bias(self) -> int:
-        """Scale byte t -> f16 bits ``(t << 7) + ((bias - c_n) << 10) = s_b * 2^(bias - 5 - c_n)``,
-        the factor that takes the decoded ``e2m1 * 2^-14`` (f16) or ``* 2^-6`` (E4M3) to ``e2m1 * s_b * 2^-c_n``."""
-        return 11 if self.e4m3 else 19
+def _source_bits() -> tuple[tuple[int, ...], ...]:
+    """``src[v][i]``: the word bit holding code bit ``i`` of value ``v = 2*pair + (0 lo | 1 hi)``."""
+    src = []
+    for j in range(4):
+        for half in range(2):
+            src.append(tuple((bit - (SIGN_ROT[j] if i == 3 else MAG_ROT[j])) % 32 for i, bit in enumerate(_OUT_BITS[half])))
+    flat = sorted(b for v in src for b in v)
+    assert flat == list(range(32)), "decode bit layout must use every word bit exactly once"
+    return tuple(src)
 
 
-# 11 shift/logic instructions per word for W4A16 (bf16 pairs), 14 for W4A8 (f16 pairs).
-BF16_LAYOUT = CodeLayout("bf16", ((6, 7, 8, 15), (22, 23, 24, 31), (3, 4, 5, 12), (19, 20, 21, 28),
-                                  (0, 1, 2, 14), (16, 17, 18, 30), (25, 26, 27, 13), (9, 10, 11, 29)),
-                         ((0, 1, 4, 5), (2, 3, 6, 7)), False)
-# Row r's values sit at E4M3 positions (W4A8: one mask), row r+8's come from two rotations (2 shifts,
-# 2 masks): 5 instructions per word for W4A8, 15 for W4A16 (a search over such layouts found none cheaper).
-E4M3_LAYOUT = CodeLayout("e4m3", ((2, 3, 4, 7), (18, 19, 20, 23), (0, 1, 30, 5), (16, 17, 14, 21),
-                                  (10, 11, 12, 15), (26, 27, 28, 31), (8, 9, 6, 13), (24, 25, 22, 29)),
-                         ((0, 4, 1, 5), (2, 6, 3, 7)), True)
-LAYOUT = BF16_LAYOUT  # the layout :func:`prepare` writes and the kernels decode
-
-
-def gather_plan(layout: CodeLayout, values, targets) -> tuple[tuple[int, int], ...]:
-    """``((rotation, mask), ...)``: the OR of ``rotl(word, rotation) & mask`` puts code bit ``i`` of
-    ``values[n]`` at bit ``targets[n][i]`` of a 32-bit register (and zeros elsewhere)."""
-    groups: dict[int, int] = {}
-    for v, bits in zip(values, targets):
-        for src, dst in zip(layout.source_bits[v], bits):
-            rot = (dst - src) % 32
-            groups[rot] = groups.get(rot, 0) | (1 << dst)
-    return tuple(sorted(groups.items()))
-
-
-def w4a16_plans(layout: CodeLayout) -> tuple:
-    """The gather plan of each bf16x2 pair register ``a0..a3``."""
-    return tuple(gather_plan(layout, (2 * j, 2 * j + 1), BF16_BITS) for j in range(4))
-
-
-def w4a8_plans(layout: CodeLayout) -> tuple:
-    """E4M3 layouts: the plans of the row-r and row-(r+8) E4M3 registers; else of the f16x2 pairs."""
-    if layout.e4m3:
-        return tuple(gather_plan(layout, vals, E4M3_BITS) for vals in layout.fp8_bytes)
-    return tuple(gather_plan(layout, (2 * j, 2 * j + 1), F16_BITS) for j in range(4))
+SOURCE_BITS = _source_bits()
 
 
 def encode_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -197,7 +156,7 @@ def prepare(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tenso
     row, kk = _fragment_index(dev)  # [128, 8], [8, 128, 8]
     tiles = codes.view(nb, ROWS, kt, BK).permute(0, 2, 1, 3)  # [nb, kt, 64, 128]
     words = torch.zeros(nb, kt, 8, 128, dtype=torch.int64, device=dev)  # [.., k16 block b, thread t]
-    for v, src in enumerate(LAYOUT.source_bits):
+    for v, src in enumerate(SOURCE_BITS):
         vals = tiles[:, :, row[None, :, v].expand(8, -1), kk[..., v]].to(torch.int64)  # value v of (b, t)
         for i, bit in enumerate(src):
             words |= ((vals >> i) & 1) << bit
@@ -236,7 +195,7 @@ def unprepare(w: Nvfp4Sm90Weight) -> tuple[torch.Tensor, torch.Tensor]:
     raw = tiles[..., :CODE_BYTES].to(torch.int64).view(nb, kt, CODE_BYTES // 4, 4)
     words = (raw << torch.arange(0, 32, 8, device=dev)).sum(-1)  # [nb, kt, 1024]
     words = words.view(nb, kt, 2, 128, 4).permute(0, 1, 2, 4, 3).reshape(nb, kt, 8, 128)  # [.., b, t]
-    src = torch.tensor(LAYOUT.source_bits, device=dev, dtype=torch.int64)  # [v, bit]
+    src = torch.tensor(SOURCE_BITS, device=dev, dtype=torch.int64)  # [v, bit]
     vals = ((words[..., None, None] >> src) & 1) << torch.arange(4, device=dev)  # [.., b, t, v, bit]
     vals = vals.sum(-1)  # [nb, kt, b, t, v]
     row, kk = _fragment_index(dev)
@@ -255,21 +214,13 @@ def unprepare(w: Nvfp4Sm90Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_nibbles(codes), decode_scales(t_bytes)
 
 
-def fp8_slot_offsets(layout: CodeLayout) -> tuple[int, ...]:
-    """K offsets from ``2c`` of W4A8 FP8 fragment slots ``4c .. 4c+3`` of thread ``c`` (per 16 K)."""
-    return tuple((0, 1, 0, 1, 8, 9, 8, 9)[v] for v in layout.fp8_bytes[0])
-
-
+@functools.lru_cache(maxsize=64)
 def w4a8_k_permutation(k: int, device=None) -> torch.Tensor:
     """int64 ``[K]``: the W4A8 kernel reads ``x[:, perm]``. Within each 32-column group, FP8
-    fragment slot ``4c + j`` (and ``16 + 4c + j``) holds column ``2c + fp8_slot_offsets(LAYOUT)[j]``
-    (plus 16): the column the bf16 fragment gives that byte's value in thread ``c``."""
-    return _k_permutation(k, fp8_slot_offsets(LAYOUT), device)
-
-
-@functools.lru_cache(maxsize=64)
-def _k_permutation(k: int, offsets: tuple[int, ...], device) -> torch.Tensor:
-    cols = (2 * torch.arange(4)[:, None] + torch.tensor(offsets)[None, :]).reshape(16)
+    fragment slot ``4c + j`` (and ``16 + 4c + j``) holds column ``(2c, 2c+1, 2c+8, 2c+9)[j]``
+    (plus 16): the columns the bf16 layout gives thread ``c``."""
+    c = torch.arange(4)
+    cols = torch.stack([2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9], dim=1).reshape(16)
     group = torch.cat([cols, cols + 16])
     return (torch.arange(0, k, 32)[:, None] + group[None, :]).reshape(k).to(device)
 
@@ -463,20 +414,13 @@ def dsl_ops():
     def rotl(q, r: int):
         return q if r == 0 else (q << r) | (q >> (32 - r))
 
-    def gather(q, plan):
-        """The OR of ``rotl(q, rotation) & mask`` over a :func:`gather_plan`."""
-        out = None
-        for rot, mask in plan:
-            part = rotl(q, rot) & Uint32(mask)
-            out = part if out is None else out | part
-        return out
-
     def decode_w4a16(q, scale_word, b: int):
         """The 4 bf16x2 A-fragment registers (pairs a0..a3, ``e2m1 · s_b · 2^-7``, exact) of one
         thread's k16 word ``q`` of block ``b``; ``scale_word`` is the thread's scale word ``b // 2``."""
         e = (scale_word >> (8 * (b % 2))) & Uint32(0x00FF00FF)
         sc = e * Uint32(16) + Uint32((W16_EXP_BIAS << 7) * 0x10001)  # bf16x2 (s_b(r), s_b(r+8)) * 2^119
-        return [mul_x2_bcast(gather(q, plan), sc, j % 2 == 1, False) for j, plan in enumerate(w4a16_plans(LAYOUT))]
+        return [mul_x2_bcast((rotl(q, MAG_ROT[j]) & Uint32(0x01C001C0)) | (rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)),
+                             sc, j % 2 == 1, False) for j in range(4)]
 
     def activate(x, act: str):
         """``act`` (not swiglu) of an FP32 value."""
@@ -488,7 +432,7 @@ def dsl_ops():
             return x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
         return x
 
-    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, gather=gather, decode_w4a16=decode_w4a16,
+    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl, decode_w4a16=decode_w4a16,
                                  activate=activate)
 
 
@@ -506,7 +450,7 @@ def _kernel_class():
     from cutlass.cute.nvgpu import warpgroup
 
     ops = dsl_ops()
-    _asm_u32, mul_x2_bcast, gather = ops.asm_u32, ops.mul_x2_bcast, ops.gather
+    _asm_u32, mul_x2_bcast, rotl = ops.asm_u32, ops.mul_x2_bcast, ops.rotl
 
     @dsl_user_op
     def f16x2x2_to_e4m3x4(lo, hi, *, loc=None, ip=None):
@@ -514,18 +458,6 @@ def _kernel_class():
         asm = ("{.reg .b16 a, b; cvt.rn.satfinite.e4m3x2.f16x2 a, $1; "
                "cvt.rn.satfinite.e4m3x2.f16x2 b, $2; mov.b32 $0, {a, b};}")
         return _asm_u32([Uint32(lo).ir_value(loc=loc, ip=ip), Uint32(hi).ir_value(loc=loc, ip=ip)], asm, "=r,r,r", loc, ip)
-
-    @dsl_user_op
-    def scale_e4m3x4(codes, pair, hi: bool, *, loc=None, ip=None):
-        """Four E4M3 bytes ``e2m1 · 2^-6`` (codes at E4M3 bits) times lane ``hi`` of the f16x2
-        ``pair``, rounded to E4M3 (RNE, satfinite), byte order kept."""
-        lane = "h" if hi else "l"
-        asm = ("{.reg .b16 c0, c1, l, h, d0, d1; .reg .b32 f0, f1, s; mov.b32 {c0, c1}, $1; mov.b32 {l, h}, $2; "
-               f"mov.b32 s, {{{lane}, {lane}}}; cvt.rn.f16x2.e4m3x2 f0, c0; cvt.rn.f16x2.e4m3x2 f1, c1; "
-               "mul.rn.f16x2 f0, f0, s; mul.rn.f16x2 f1, f1, s; cvt.rn.satfinite.e4m3x2.f16x2 d0, f0; "
-               "cvt.rn.satfinite.e4m3x2.f16x2 d1, f1; mov.b32 $0, {d0, d1};}")
-        return _asm_u32([Uint32(codes).ir_value(loc=loc, ip=ip), Uint32(pair).ir_value(loc=loc, ip=ip)], asm,
-                        "=r,r,r", loc, ip)
 
     @dsl_user_op
     def bulk_g2s(dst_smem, src_gmem, nbytes: int, mbar_smem, *, loc=None, ip=None):
@@ -800,8 +732,8 @@ def _kernel_class():
             krows = Uint32(0)
             if cutlass.const_expr(self.w4a8):
                 r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
-                c0 = Int32(LAYOUT.w8_exp_bias) - mExp[r0]
-                c1 = Int32(LAYOUT.w8_exp_bias) - mExp[r0 + 8]
+                c0 = Int32(W8_EXP_BIAS) - mExp[r0]
+                c1 = Int32(W8_EXP_BIAS) - mExp[r0 + 8]
                 krows = (Uint32(c0) << 10) | (Uint32(c1) << 26)
             acc.fill(0.0)
 
@@ -871,21 +803,20 @@ def _kernel_class():
 
         @cute.jit
         def decode_w4a8(self, frag, rc, rs, krows, i: cutlass.Constexpr[int]):
-            """k32 block ``i`` (16-K words 2i, 2i+1): 16 codes -> 4 E4M3x4 registers, each value
-            ``e2m1 · s_b · 2^-c`` rounded once to E4M3 (the products are exact in f16)."""
-            plans = w4a8_plans(LAYOUT)
+            """k32 block ``i`` (16-K words 2i, 2i+1): 16 codes -> 4 E4M3x4 registers."""
             for half in cutlass.range_constexpr(2):
                 b = 2 * i + half
                 q = rc[b % 4, b // 4]
                 e = (rs[i] >> (8 * half)) & Uint32(0x00FF00FF)
-                sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(w8_exp_bias - 5 - c)
-                if cutlass.const_expr(LAYOUT.e4m3):
-                    for row in cutlass.range_constexpr(2):  # row r, r+8: codes at E4M3 bits, byte order fp8_bytes
-                        frag[(0, row, half), 0, i] = scale_e4m3x4(gather(q, plans[row]), sc, row == 1)
-                else:
-                    p = [mul_x2_bcast(gather(q, plan), sc, j % 2 == 1, True) for j, plan in enumerate(plans)]
-                    frag[(0, 0, half), 0, i] = f16x2x2_to_e4m3x4(p[0], p[2])  # row r: k, k+1, k+8, k+9
-                    frag[(0, 1, half), 0, i] = f16x2x2_to_e4m3x4(p[1], p[3])  # row r+8
+                sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(14 - c)
+                p = []
+                for j in cutlass.range_constexpr(4):
+                    # f16 wants the magnitude 3 bits higher than bf16: bits 9-11 / 25-27
+                    mag = rotl(q, (MAG_ROT[j] + 3) % 32) & Uint32(0x0E000E00)
+                    sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
+                    p.append(mul_x2_bcast(mag | sign, sc, j % 2 == 1, True))
+                frag[(0, 0, half), 0, i] = f16x2x2_to_e4m3x4(p[0], p[2])  # row r: k, k+1, k+8, k+9
+                frag[(0, 1, half), 0, i] = f16x2x2_to_e4m3x4(p[1], p[3])  # row r+8
 
         @cute.jit
         def epilogue(self, acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias,
@@ -1029,8 +960,7 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, w4a8, bias_fp32, num_sms)
-    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", LAYOUT.name, config, epilogue, bias_fp32,
-           num_sms if config.persistent else 0)
+    key = ("sm90.nvfp4_gemm", "w4a8" if w4a8 else "w4a16", config, epilogue, bias_fp32, num_sms if config.persistent else 0)
     return compile_kernel(key, kernel, *([0] * 10), 1, 1, ROW_PAD, ROW_PAD // (2 if epilogue.activation == "swiglu" else 1),
                           BK, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
@@ -1046,7 +976,7 @@ def use_gemv(m: int) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
-          config: Config | None, tvm_ffi: bool, layout: str):
+          config: Config | None, tvm_ffi: bool):
     """(config, executor) of one WGMMA launch shape, cached: the per-call host path is a dict lookup."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
@@ -1096,7 +1026,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
     if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
     tvm_ffi = use_tvm_ffi()
-    config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi, LAYOUT.name)
+    config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)
     x_rows = tma_rows(m, config, w4a8)
     if x_rows > m:  # its rows past M only feed output columns that are never stored
         x_pad = x_arg.new_empty(x_rows, k)

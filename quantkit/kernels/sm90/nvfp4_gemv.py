@@ -464,7 +464,7 @@ def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
     from cutlass.cute.runtime import make_fake_stream
 
     kernel = _kernel_class()(config, epilogue, bias_fp32)
-    key = ("sm90.nvfp4_gemv", ng.LAYOUT.name, config, epilogue, bias_fp32)
+    key = ("sm90.nvfp4_gemv", config, epilogue, bias_fp32)
     n_out = ng.ROW_PAD // (2 if epilogue.activation == "swiglu" else 1)
     return compile_kernel(key, kernel, *([0] * 8), 1, ng.ROW_PAD, n_out, ng.BK, make_fake_stream(), arch=arch,
                           options=options, tvm_ffi=tvm_ffi)
@@ -473,7 +473,7 @@ def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
 # ---------------------------------------------------------------------------------------- host
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens: int, n_pad: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
-          config: GemvConfig | None, tvm_ffi: bool, layout: str):
+          config: GemvConfig | None, tvm_ffi: bool):
     """(config, executor) of one launch shape, cached: the per-call host path is a dict lookup."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     config = config or pick_gemv_config(tokens, n_pad, k, epilogue, num_sms)
@@ -493,8 +493,7 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     n_pad = w.row_exp.shape[0]
     tvm_ffi = use_tvm_ffi()
     bias_fp32 = bias is not None and bias.dtype == torch.float32
-    config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi,
-                       ng.LAYOUT.name)
+    config, fn = _plan(1 << (m - 1).bit_length(), n_pad, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
     ws = counters = None
     if config.splits > 1 and not config.cluster:
         ctas = n_pad // (ng.ROWS * config.tiles)

@@ -21,9 +21,8 @@ from quantkit.formats.w4a8 import use_w4a8
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.cache import launch_stream, use_tvm_ffi
 from quantkit.kernels.ops import kernel_op
-from quantkit.kernels.sm90 import nvfp4_gemm as ng
-from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, fp8_slot_offsets, launch_gemm, nvfp4_w4a16,
-                                              output_shape, weight_from_tensors)
+from quantkit.kernels.sm90.nvfp4_gemm import (Config, Nvfp4Sm90Weight, launch_gemm, nvfp4_w4a16, output_shape,
+                                              weight_from_tensors)
 
 THREADS = 256
 GROUP = 16  # columns one thread converts at a time: one permuted 16-byte store
@@ -124,8 +123,8 @@ def _build_act_quant():
             as 16 E4M3 bytes in permuted order, one 16-byte store."""
             lift, div, inv = divisor
             words = cute.make_rmem_tensor(4, Uint32)
-            for c in cutlass.range_constexpr(4):  # byte 4c + j <- column 2c + offsets[j]
-                q = [div_rn(vals[2 * c + d].to(Float32) * lift, div, inv) for d in fp8_slot_offsets(ng.LAYOUT)]
+            for c in cutlass.range_constexpr(4):  # byte 4c + j <- column (2c, 2c+1, 2c+8, 2c+9)[j]
+                q = [div_rn(vals[i].to(Float32) * lift, div, inv) for i in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
                 words[c] = e4m3x2(q[0], q[1]) | (e4m3x2(q[2], q[3]) << 16)
             dst = q_ptr + Int64(row) * k + g * GROUP
             cute.autovec_copy(words, cute.make_tensor(cute.make_ptr(Uint32, dst, cute.AddressSpace.gmem, assumed_align=16),
@@ -162,12 +161,12 @@ def compile_act_quant(held: int = HELD[-1], tvm_ffi: bool = False, arch: str | N
     with _lock:
         if _KERNEL is None:
             _KERNEL = _build_act_quant()
-    return compile_kernel(("sm90.nvfp4_w4a8.act_quant", ng.LAYOUT.name, held), _KERNEL(held), 0, 0, 0, 1, 128, make_fake_stream(),
+    return compile_kernel(("sm90.nvfp4_w4a8.act_quant", held), _KERNEL(held), 0, 0, 0, 1, 128, make_fake_stream(),
                           arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 @functools.lru_cache(maxsize=None)
-def _executor(held: int, tvm_ffi: bool, layout: str):
+def _executor(held: int, tvm_ffi: bool):
     """:func:`compile_act_quant`'s executor, cached: the per-call host path is a dict lookup."""
     return compile_act_quant(held, tvm_ffi)
 
@@ -184,7 +183,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         tvm_ffi = use_tvm_ffi()
-        _executor(held_groups(k), tvm_ffi, ng.LAYOUT.name)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k,
+        _executor(held_groups(k), tvm_ffi)(x.data_ptr(), xq.data_ptr(), s.data_ptr(), m, k,
                                            launch_stream(x.device, tvm_ffi))
     return xq, s
 
