@@ -3,7 +3,9 @@
 Run: ``python benchmarks/gemm_fp8_block.py [--out DIR] [--tune]``. Every timed kernel is first
 checked on fresh random-normal inputs against float64 math (output poisoned with NaN before the
 launch). Times are medians over CUDA-graph replays (CUDA events), with inputs rotated across enough
-copies to exceed L2. Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
+copies to exceed L2; a row's contenders are timed in turn over ``--rounds`` rounds (default 3) and each
+reports its median round (timed once each in a fixed order, the first kernel after a compile ran up
+to 15 % fast on a cool H200, session 29). Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
 with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies (``--tune-ms M ...``: at
 those token counts only, e.g. between two buckets' tuning points); ``--tune-rows M`` instead
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from quantkit.formats import fp8
 from quantkit.kernels.epilogue import Epilogue
 from quantkit.kernels.sm90 import act_quant as aq
 from quantkit.kernels.sm90 import fp8_block_gemm as fbg
-from timing import graph_median_us, interleaved_us  # noqa: E402  (benchmarks/timing.py)
+from timing import graph_median_us, interleaved_us, medians  # noqa: E402  (benchmarks/timing.py)
 
 L2_BYTES = 60 << 20
 SQUARE = [(8192, 8192, 8192)]
@@ -122,27 +123,30 @@ class Problem:
             raise AssertionError(f"{cfg} wrong at M={self.m} N={self.n} K={self.k}: rel err {err:.2e}, NaNs {int(out.isnan().sum())}")
         return err
 
-    def ours(self, cfg: fbg.TileConfig | None, epilogue: Epilogue = Epilogue(), bias=None) -> float:
+    def ours_fns(self, cfg: fbg.TileConfig | None, epilogue: Epilogue = Epilogue(), bias=None) -> list:
         cfg = cfg or fbg.pick_config(self.m, self.n, self.k, epilogue)
-        return graph_median_us([
-            (lambda i=i: fbg.fp8_block_gemm(self.xq[i][0], self.xs_tma[i], *self.wq[i], epilogue, bias, config=cfg))
-            for i in range(self.copies)
-        ])
+        return [(lambda i=i: fbg.fp8_block_gemm(self.xq[i][0], self.xs_tma[i], *self.wq[i], epilogue, bias, config=cfg))
+                for i in range(self.copies)]
 
-    def bf16(self) -> float:
+    def ours(self, cfg: fbg.TileConfig) -> float:
+        return graph_median_us(self.ours_fns(cfg))
+
+    def bf16_fns(self) -> list:
         xb = [x.to(torch.bfloat16) for x in self.x]
         wb = [w.to(torch.bfloat16) for w in self.w]
-        return graph_median_us([(lambda i=i: torch.nn.functional.linear(xb[i], wb[i])) for i in range(self.copies)])
+        return [(lambda i=i: torch.nn.functional.linear(xb[i], wb[i])) for i in range(self.copies)]
 
-    def scaled_mm_rowwise(self) -> float:
+    def scaled_mm_fns(self) -> list | None:
+        """FP8 ``_scaled_mm`` with row-wise scales, or None where this torch/GPU lacks it."""
         xr = [fp8.quantize(x, (1, 0)) for x in self.x]
         wr = [fp8.quantize(w, (1, 0)) for w in self.w]
         fns = [(lambda i=i: torch._scaled_mm(xr[i][0], wr[i][0].t(), scale_a=xr[i][1], scale_b=wr[i][1].t(),
                                              out_dtype=torch.bfloat16)) for i in range(self.copies)]
         try:
-            return graph_median_us(fns)
+            fns[0]()
         except RuntimeError:
-            return float("nan")
+            return None
+        return fns
 
 
 PARTIAL_M = (17, 33, 65, 100, 129, 200)
@@ -165,7 +169,7 @@ def partial_tiles(gen: torch.Generator) -> list[dict]:
             us = interleaved_us({"linear": [lambda: fbg.fp8_block_linear(x, wq, ws)],
                                  "own rows": [lambda: fbg.fp8_block_gemm(*aq.act_quant(x), wq, ws)],
                                  "bf16": [lambda: torch.nn.functional.linear(x, wb)]})
-            row = dict(m=m, n=n, k=k, err=err, **{label: statistics.median(t) for label, t in us.items()})
+            row = dict(m=m, n=n, k=k, err=err, **medians(us))
             out.append(row)
             print(f"M={m:4d} N={n:6d} K={k:6d}: linear {row['linear']:7.1f} us, own rows {row['own rows']:7.1f} us, "
                   f"bf16 {row['bf16']:7.1f} us: x{row['own rows'] / row['linear']:.2f} own rows, "
@@ -190,7 +194,8 @@ def main() -> None:
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
     parser.add_argument("--partial-tiles", action="store_true",
                         help="only: fp8_block_linear at partial-tile token counts vs the GEMM on x's own rows")
-    parser.add_argument("--rounds", type=int, default=1, help="time the epilogue rows' variants this many times, interleaved")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds that time a row's contenders (and an epilogue row's kernels) in turn; medians are reported")
     args = parser.parse_args()
     if args.ab and args.tune_rows is None:
         parser.error("--ab needs --tune-rows M (the rows it compares)")
@@ -255,7 +260,9 @@ def main() -> None:
             print(f"tune N={n:6d} K={k:6d} M={m:5d}: " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
         cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
         err = prob.check(cfg)
-        t_ours, t_bf16, t_smm = prob.ours(cfg), prob.bf16(), prob.scaled_mm_rowwise()
+        contenders = {"ours": prob.ours_fns(cfg), "bf16": prob.bf16_fns(), "scaled_mm": prob.scaled_mm_fns()}
+        med = medians(interleaved_us({c: f for c, f in contenders.items() if f is not None}, rounds=args.rounds, reps=15))
+        t_ours, t_bf16, t_smm = med["ours"], med["bf16"], med.get("scaled_mm", float("nan"))
         tf = lambda t, flops=prob.flops: flops / t / 1e6  # noqa: E731
         row = dict(m=m, n=n, k=k, cfg=str(cfg), err=err, ours_us=t_ours, bf16_us=t_bf16, scaled_mm_us=t_smm,
                    ours_tflops=tf(t_ours), bf16_tflops=tf(t_bf16), scaled_mm_tflops=tf(t_smm))
@@ -273,12 +280,14 @@ def main() -> None:
             variants = [(picked, fbg.pick_config(m, n, k, silu))]
             if args.ab:
                 variants = [(c, c) for c in _ab_candidates(picked, args.ab)]
-            for rnd, (epi_cfg, silu_cfg) in [(r, v) for r in range(args.rounds) for v in variants]:  # interleaved per round
-                t_epi = prob.ours(epi_cfg, epi, bias)
-                t_silu = prob.ours(silu_cfg, silu, bias)
-                t_same = prob.ours(epi_cfg)  # the bare GEMM in the epilogue's config
-                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), round=rnd, bare_us=t_ours, bare_same_cfg_us=t_same,
-                                                bias_silu_us=t_silu, bias_silu_requant_us=t_epi))
+            for epi_cfg, silu_cfg in variants:  # each variant's four kernels interleaved in args.rounds rounds
+                med = medians(interleaved_us({"bare": prob.ours_fns(cfg), "epi": prob.ours_fns(epi_cfg, epi, bias),
+                                              "silu": prob.ours_fns(silu_cfg, silu, bias),
+                                              "same": prob.ours_fns(epi_cfg)},  # the bare GEMM in the epilogue's config
+                                             rounds=args.rounds, reps=15))
+                t_ours, t_epi, t_silu, t_same = med["bare"], med["epi"], med["silu"], med["same"]
+                results["epilogue"].append(dict(m=m, n=n, k=k, cfg=str(epi_cfg), rounds=args.rounds, bare_us=t_ours,
+                                                bare_same_cfg_us=t_same, bias_silu_us=t_silu, bias_silu_requant_us=t_epi))
                 print(f"  epilogue ({epi_cfg}) bias+silu+requant: {t_epi:8.1f} us, bias+silu (bf16) {t_silu:8.1f} us,"
                       f" bare {t_ours:8.1f} us (same config {t_same:8.1f}): x{t_epi / t_ours:.3f}, x{t_silu / t_ours:.3f}",
                       flush=True)

@@ -50,3 +50,8 @@ def interleaved_us(contenders: dict[object, list[Callable[[], object]]], rounds:
         for label, fns in contenders.items():
             times[label].append(graph_median_us(fns, reps=reps))
     return times
+
+
+def medians(times: dict[object, list[float]]) -> dict[object, float]:
+    """The median of each contender's rounds from :func:`interleaved_us`."""
+    return {label: statistics.median(t) for label, t in times.items()}
