@@ -278,17 +278,12 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                         contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
                                                    w_bytes)
                         contenders["act_quant"] = ([lambda: nw8.quantize_activation(x)], 0)
-                    rounds = {cname: [] for cname in contenders}
-                    for _ in range(ROUNDS):  # in turn, so no contender alone gets a cool GPU's clock
-                        for cname, (fns, _) in contenders.items():
-                            if cname in rounds:
-                                timer = watchdog(300, f"bench {cname} {res['shape']} m={m}")
-                                try:
-                                    rounds[cname].append(graph_median_us(fns))
-                                except Exception:  # noqa: BLE001
-                                    log(f"BENCH ERROR {cname} {res['shape']} M={m}: {traceback.format_exc(limit=3)}", fh)
-                                    del rounds[cname]
-                                timer.cancel()
+                    timer = watchdog(300 * ROUNDS * len(contenders), f"bench {res['shape']} m={m}")
+                    rounds = interleaved_us(  # in turn, so no contender alone gets a cool GPU's clock
+                        {cname: fns for cname, (fns, _) in contenders.items()}, rounds=ROUNDS, reps=15,
+                        on_error=lambda cname, shape=res["shape"], m=m: log(
+                            f"BENCH ERROR {cname} {shape} M={m}: {traceback.format_exc(limit=3)}", fh))
+                    timer.cancel()
                     for cname, us in medians(rounds).items():
                         res[cname] = us
                         res[cname + "_tbs"] = (contenders[cname][1] + io_bytes) / us / 1e6

@@ -41,14 +41,23 @@ def graph_median_us(fns: list[Callable[[], object]], reps: int = 15, warm_s: flo
     return statistics.median(times)
 
 
-def interleaved_us(contenders: dict[object, list[Callable[[], object]]], rounds: int = 3,
-                   reps: int = 9) -> dict[object, list[float]]:
+def interleaved_us(contenders: dict[object, list[Callable[[], object]]], rounds: int = 3, reps: int = 9,
+                   on_error: Callable[[object], None] | None = None) -> dict[object, list[float]]:
     """Per contender, its :func:`graph_median_us` in each of ``rounds`` rounds that time every
-    contender in turn (so a drifting clock affects all of them alike)."""
+    contender in turn (so a drifting clock affects all of them alike). With ``on_error``, a
+    contender that raises is passed to it (inside the ``except``) and left out from then on."""
     times = {label: [] for label in contenders}
     for _ in range(rounds):
         for label, fns in contenders.items():
-            times[label].append(graph_median_us(fns, reps=reps))
+            if label not in times:
+                continue
+            try:
+                times[label].append(graph_median_us(fns, reps=reps))
+            except Exception:
+                if on_error is None:
+                    raise
+                on_error(label)
+                del times[label]
     return times
 
 
