@@ -10,8 +10,8 @@ Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 7
 2. **Benchmark**: Llama-3-8B and -70B projection shapes at M in {1, 4, 16, 64, 256, 4096}
    (W4A8 also at 1024, 2048 for the crossover): ours (W4A16, W4A8 incl. its activation
    quantization), bf16 cuBLAS (``F.linear``), dequantize-then-matmul, and QuACK
-   ``gemm_w4a16(wformat="nvfp4")`` when importable (in a second pass: its compiles are slow). Median
-   of CUDA-graph replays (CUDA events), a row's contenders timed in turn over 3 rounds (median round);
+   ``gemm_w4a16(wformat="nvfp4")`` at M <= 64 when importable. Median of CUDA-graph replays (CUDA
+   events), a row's contenders timed in turn over 3 rounds (median round);
    weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
    (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
 3. ``--tune``: every candidate config on representative shapes (what ``pick_config`` is fitted
@@ -225,75 +225,66 @@ ROUNDS = 3  # rounds of a benchmark row's contenders
 
 
 def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=True):
-    """Time every contender; QuACK last (its compiles are slow), nothing new after ``deadline``
-    (time.time())."""
+    """Time every contender of a row in turn (QuACK too, at M <= 64), ``ROUNDS`` rounds, each
+    contender's median round; nothing new after ``deadline`` (time.time())."""
     quack = load_quack() if with_quack else None
-    rows = {}
-    for with_quack in (False, True):
-        if with_quack and quack is None:
-            break
-        for name in shapes:
-            for n, k in SHAPES[name]:
-                if time.time() > deadline:
-                    log(f"deadline reached: skipping {name} {n}x{k} (quack={with_quack})", fh)
-                    continue
-                qw = quantized(n, k, seed=n + k)
-                w_bytes = n * k // 2 + n * k // 16
-                nw = copies_for(w_bytes)
-                ts = float(qw.tensor_scale)
-                if with_quack:
-                    try:
-                        qblobs = [quack[1](qw.data, qw.scale, wformat="nvfp4") for _ in range(nw)]
-                    except Exception:  # noqa: BLE001
-                        log(f"QuACK prepare failed: {traceback.format_exc()}", fh)
-                        continue
-                else:
-                    preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(nw)]
-                    bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
-                for m in sorted(set(ms) | set(w4a8_ms)):
-                    if with_quack and m > 64:
-                        continue
-                    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                    io_bytes = 2 * m * k + 2 * m * n
-                    res = rows.setdefault((name, n, k, m), {"shape": f"{name} {n}x{k}", "n": n, "k": k, "m": m})
-                    contenders = {}
-                    if with_quack:
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            if time.time() > deadline:
+                log(f"deadline reached: skipping {name} {n}x{k}", fh)
+                continue
+            qw = quantized(n, k, seed=n + k)
+            w_bytes = n * k // 2 + n * k // 16
+            nw = copies_for(w_bytes)
+            ts = float(qw.tensor_scale)
+            preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(nw)]
+            bf16s = [dequant(qw).to(torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+            qblobs = []
+            if quack is not None and min(ms) <= 64:
+                try:
+                    qblobs = [quack[1](qw.data, qw.scale, wformat="nvfp4") for _ in range(nw)]
+                except Exception:  # noqa: BLE001
+                    log(f"QuACK prepare failed: {traceback.format_exc()}", fh)
+            for m in sorted(set(ms) | set(w4a8_ms)):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                io_bytes = 2 * m * k + 2 * m * n
+                res = {"shape": f"{name} {n}x{k}", "n": n, "k": k, "m": m}
+                contenders = {}
+                if m in ms:
+                    contenders["w4a16"] = ([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps], w_bytes)
+                    if m <= gv.MAX_M:
+                        wg = ng.pick_config(m, preps[0].row_exp.shape[0], k, Epilogue(), False)
+                        gcfg = gv.pick_gemv_config(m, preps[0].row_exp.shape[0], k, Epilogue())
+                        contenders["wgmma"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=wg) for p in preps], w_bytes)
+                        contenders["gemv"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=gcfg) for p in preps], w_bytes)
+                    contenders["bf16"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)
+                    if not quick:
+                        contenders["dequant+mm"] = (
+                            [lambda: torch.nn.functional.linear(x, dequant(qw).to(torch.bfloat16))], w_bytes)
+                    if qblobs and m <= 64:
                         contenders["quack"] = ([lambda b=b: quack[0](x, b[0], b[1], tensor_scale=ts, wformat="nvfp4")
                                                 for b in qblobs], w_bytes)
-                    if not with_quack and m in ms:
-                        contenders["w4a16"] = ([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps], w_bytes)
-                        if m <= gv.MAX_M:
-                            wg = ng.pick_config(m, preps[0].row_exp.shape[0], k, Epilogue(), False)
-                            gcfg = gv.pick_gemv_config(m, preps[0].row_exp.shape[0], k, Epilogue())
-                            contenders["wgmma"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=wg) for p in preps], w_bytes)
-                            contenders["gemv"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=gcfg) for p in preps],
-                                                  w_bytes)
-                        contenders["bf16"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)
-                        if not quick:
-                            contenders["dequant+mm"] = (
-                                [lambda: torch.nn.functional.linear(x, dequant(qw).to(torch.bfloat16))], w_bytes)
-                    if not with_quack and m in w4a8_ms:
-                        contenders["w4a8"] = ([lambda p=p: nw8.nvfp4_w4a8(x, p) for p in preps], w_bytes)
-                        xq, xs = nw8.quantize_activation(x)
-                        contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
-                                                   w_bytes)
-                        contenders["act_quant"] = ([lambda: nw8.quantize_activation(x)], 0)
-                    timer = watchdog(300 * ROUNDS * len(contenders), f"bench {res['shape']} m={m}")
-                    rounds = interleaved_us(  # in turn, so no contender alone gets a cool GPU's clock
-                        {cname: fns for cname, (fns, _) in contenders.items()}, rounds=ROUNDS, reps=15,
-                        on_error=lambda cname, shape=res["shape"], m=m: log(
-                            f"BENCH ERROR {cname} {shape} M={m}: {traceback.format_exc(limit=3)}", fh))
-                    timer.cancel()
-                    for cname, us in medians(rounds).items():
-                        res[cname] = us
-                        res[cname + "_tbs"] = (contenders[cname][1] + io_bytes) / us / 1e6
-                    log("BENCH " + json.dumps(res), fh)
-                if with_quack:
-                    del qblobs
-                else:
-                    del preps, bf16s
-                torch.cuda.empty_cache()
-    return list(rows.values())
+                if m in w4a8_ms:
+                    contenders["w4a8"] = ([lambda p=p: nw8.nvfp4_w4a8(x, p) for p in preps], w_bytes)
+                    xq, xs = nw8.quantize_activation(x)
+                    contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
+                                               w_bytes)
+                    contenders["act_quant"] = ([lambda: nw8.quantize_activation(x)], 0)
+                timer = watchdog(300 * ROUNDS * len(contenders), f"bench {res['shape']} m={m}")
+                rounds = interleaved_us(  # in turn, so no contender alone gets a cool GPU's clock
+                    {cname: fns for cname, (fns, _) in contenders.items()}, rounds=ROUNDS, reps=15,
+                    on_error=lambda cname, shape=res["shape"], m=m: log(
+                        f"BENCH ERROR {cname} {shape} M={m}: {traceback.format_exc(limit=3)}", fh))
+                timer.cancel()
+                for cname, us in medians(rounds).items():
+                    res[cname] = us
+                    res[cname + "_tbs"] = (contenders[cname][1] + io_bytes) / us / 1e6
+                log("BENCH " + json.dumps(res), fh)
+                rows.append(res)
+            del preps, bf16s, qblobs
+            torch.cuda.empty_cache()
+    return rows
 
 
 def run_variants(shapes, fh, ms=(1, 16)):
@@ -622,10 +613,13 @@ def table(rows) -> str:
 
 def run_floors(fh) -> list[dict]:
     """M=1 decode against what its bytes allow: per shape, the default route and bf16 ``F.linear``
-    next to two plain streaming kernels over the same weight bytes, an FP32 ``sum`` (reads them)
-    and a ``copy_`` (reads and writes them); the first row (128x128) is the fixed cost of one launch.
-    ``x bf16 at the read floor``: bf16's time over the read of our bytes, what a GEMV streaming at
-    torch-sum speed would reach."""
+    next to plain streaming kernels over the same weight bytes, an FP32 ``sum`` (reads them), a
+    ``copy_`` (reads and writes them) and Triton direct-load reads (:mod:`stream_read`, one
+    per variant; ``read_triton`` is the fastest), timed in turn over ``ROUNDS`` rounds; the first
+    row (128x128) is the fixed cost of one launch. ``x bf16 at the read floor``: bf16's time over
+    the fastest read of our bytes, what a GEMV streaming at that speed would reach."""
+    import stream_read  # Triton: only here
+
     rows = []
     shapes = [(128, 128)] + [nk for name in ("8b", "70b") for nk in SHAPES[name]]
     for n, k in shapes:
@@ -633,17 +627,22 @@ def run_floors(fh) -> list[dict]:
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         dst = torch.empty_like(preps[0].tiles)
         row = {"n": n, "k": k, "bytes": preps[0].tiles.numel()}
-        row["w4a16"] = graph_median_us([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps])
-        row["bf16"] = graph_median_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s])
-        row["read_ours"] = graph_median_us([lambda p=p: p.tiles.view(torch.float32).sum() for p in preps])
-        row["copy_ours"] = graph_median_us([lambda p=p: dst.copy_(p.tiles) for p in preps])
+        fns = {"w4a16": [lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps],
+               "bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s],
+               "read_ours": [lambda p=p: p.tiles.view(torch.float32).sum() for p in preps],
+               "copy_ours": [lambda p=p: dst.copy_(p.tiles) for p in preps]}
+        for v in stream_read.VARIANTS:
+            fns[f"triton {v[0]}x{v[1]} w{v[2]}"] = [stream_read.reader(p.tiles, *v) for p in preps]
+        row.update(medians(interleaved_us(fns, rounds=ROUNDS, reps=15)))
+        row["read_triton"] = min(row[f] for f in fns if f.startswith("triton"))
         row["x_bf16"] = row["bf16"] / row["w4a16"]
-        row["x_bf16_at_read_floor"] = row["bf16"] / row["read_ours"]
+        row["x_bf16_at_read_floor"] = row["bf16"] / min(row["read_ours"], row["read_triton"])
         tbs = lambda us, nbytes=row["bytes"]: nbytes / us / 1e6  # noqa: E731
         log(f"FLOOR {n}x{k}: w4a16 {row['w4a16']:.1f} us ({tbs(row['w4a16']):.2f} TB/s), bf16 {row['bf16']:.1f}; "
-            f"FP32 sum of our bytes {row['read_ours']:.1f} ({tbs(row['read_ours']):.2f} TB/s), copy "
-            f"{row['copy_ours']:.1f} ({2 * tbs(row['copy_ours']):.2f} TB/s moved); x bf16 {row['x_bf16']:.2f}, "
-            f"at the read floor {row['x_bf16_at_read_floor']:.2f}", fh)
+            f"FP32 sum of our bytes {row['read_ours']:.1f} ({tbs(row['read_ours']):.2f} TB/s), Triton read "
+            f"{row['read_triton']:.1f} ({tbs(row['read_triton']):.2f} TB/s), copy {row['copy_ours']:.1f} "
+            f"({2 * tbs(row['copy_ours']):.2f} TB/s moved); x bf16 {row['x_bf16']:.2f}, "
+            f"at the read floor {row['x_bf16_at_read_floor']:.2f}; all: {json.dumps(row)}", fh)
         rows.append(row)
         del preps, bf16s
         torch.cuda.empty_cache()
