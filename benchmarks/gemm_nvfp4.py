@@ -142,6 +142,8 @@ def run_check(fh, gemv_only: bool = False) -> bool:
         variants += [ng.Config(128, 2, 5, 1), ng.Config(256, 2, 5, 1)]  # setmaxnreg-rebalanced tiles
     gemv_cases = [(m, n, k, Epilogue(), None) for name in SHAPES for n, k in SHAPES[name] for m in (1, 3, 4, 8)]
     gemv_cases += [(m, 1024, 1536, e, None) for e in CHECK_EPILOGUES for m in (1, 7)]
+    gemv_cases += [(m, n, k, e, gv.pick_gemv_config(m, n, k, e)) for n, k in SHAPES["8b"] for m in (9, 16)
+                   for e in (Epilogue(), Epilogue(activation="swiglu", bias=True))]  # 16-token slots
     gemv_cases += [(m, 1000, 2048, Epilogue(bias=True), cfg) for m in (2, 5) for cfg in GEMV_CHECKED]
     gemv_cases += [(m, 1000, 2048, Epilogue(bias=True), gv.GemvConfig(8, 1, 3, 2, tokens=t, pdl=True))
                    for m, t in ((1, 1), (2, 2), (3, 4))]

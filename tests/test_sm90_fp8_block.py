@@ -168,7 +168,7 @@ def test_tile_config_rejects_impossible_epilogues():
 def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
     got = []
     monkeypatch.setattr(fbg, "compile_gemm", lambda cfg, *a, **kw: got.append(cfg))
-    monkeypatch.setattr(fbg, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
     cfg = fbg.TileConfig(128, 128, unroll=16)
     for k in (4096, 7168, 1536, 640):  # 32, 56, 12, 5 k-tiles
         fbg._plan(4096, 4096, k, Epilogue(), False, None, cfg, False)

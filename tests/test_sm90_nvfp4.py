@@ -7,6 +7,7 @@ on the prepared bytes, and place every result at the (row, k) that the PTX ISA's
 fragment layout assigns to that thread and register; that must reproduce ``e2m1 · s_b · 2^-7``
 (W4A16) and :func:`quantkit.formats.w4a8.weight_to_fp8` (W4A8) exactly.
 """
+import dataclasses
 import json
 import math
 import os
@@ -373,13 +374,16 @@ GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, e
     (4, 2, 4, 2, 4, False, False, Epilogue(bias=True, activation="swiglu", residual=True)),
     (8, 1, 3, 2, 1, True, True, Epilogue()),
     (8, 2, 2, 4, 2, False, True, Epilogue(bias=True, activation="swiglu", residual=True)),
+    (8, 1, 3, 1, 16, True, False, Epilogue(bias=True, residual=True)),
+    (8, 2, 2, 2, 16, False, True, Epilogue(bias=True, activation="swiglu")),
 ]
 
 
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
     """The decode GEMV: warp-level bf16 MMAs (no WGMMA), 16-byte cp.async copies, 16-byte
     shared-memory fragment loads, nothing in local memory, the split-K turnstile only when split
-    across separate CTAs, distributed-shared-memory loads and cluster barriers only in clusters."""
+    across separate CTAs, distributed-shared-memory loads and cluster barriers only in clusters;
+    9-16 token slots: a second MMA per decoded weight fragment."""
     pytest.importorskip("cutlass")
     script = textwrap.dedent(f"""
         import json, os, sys
@@ -402,7 +406,8 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         d = tmp_path / str(i)
         text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
         assert ".target sm_90a" in text and "wgmma" not in text
-        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32  # 4 strips x 8 k16 blocks
+        frags = 2 if tokens > 8 else 1  # 8-token MMA fragments
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32 * frags  # 4 strips x 8 k16
         # 9 weight + tokens/2 (at least 1) activation copies per k-tile: stages - 1 in the prologue,
         # 1 in the loop
         assert text.count("cp.async.cg.shared.global.L2::128B") == (9 + max(1, tokens // 2)) * stages
@@ -410,8 +415,8 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         assert "ld.local" not in text and "st.local" not in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)
         # a cluster's splits meet in distributed shared memory: per thread, one load per split and
-        # value of the [64 * tiles, 8] tile it may own
-        assert text.count("ld.shared::cluster.f32") == (splits * 64 * tiles * 8 // (32 * warps) if cluster else 0)
+        # value of the [64 * tiles, 8 * frags] tile it may own
+        assert text.count("ld.shared::cluster.f32") == (splits * 64 * tiles * 8 * frags // (32 * warps) if cluster else 0)
         assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == pdl
 
@@ -419,7 +424,8 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
 def test_gemv_config_rule():
     """The fitted rule: 8 warps with PDL; 3 stages (1 CTA/SM) when the grid takes an odd number of
     rounds at one CTA per SM, else 2 (2 CTAs/SM); a 2-way K-split only for narrow, deep weights or
-    very narrow ones (a quarter of the SMs); slots for the next power of 2 of M."""
+    very narrow ones (a quarter of the SMs); slots for the next power of 2 of M; 9-16 tokens (one
+    CTA per SM at any depth) 3 stages where they fit."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     for n_pad, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192),
@@ -432,6 +438,12 @@ def test_gemv_config_rule():
                 assert cfg.pdl and cfg.warps == 8 and cfg.tokens == {1: 1, 3: 4, 8: 8}[m]
                 assert cfg.ctas_per_sm() == {3: 1, 2: 2}[cfg.stages]
                 assert cfg.stages == (3 if math.ceil(ctas / 132) % 2 else 2)  # odd rounds: one CTA per SM
+            for m in (9, 16):
+                cfg = gv.pick_gemv_config(m, n_pad, k, epi)
+                cfg.check(epi)
+                assert cfg.tokens == 16 and cfg.tile_tokens == 16 and cfg.ctas_per_sm() == 1
+                deeper = dataclasses.replace(cfg, stages=3)
+                assert cfg.stages == (3 if deeper.smem_bytes() <= 227 * 1024 else 2)
     rule = {(n, k): (c.stages, c.splits, c.cluster) for n, k in ((4096, 4096), (4096, 14336), (8192, 8192),
                                                                  (57344, 8192), (1024, 4096), (1024, 1024),
                                                                  (28672, 4096), (10240, 8192), (18432, 16384))
@@ -440,6 +452,8 @@ def test_gemv_config_rule():
                     (57344, 8192): (3, 1, False), (1024, 4096): (3, 2, True), (1024, 1024): (3, 1, False),
                     (28672, 4096): (2, 1, False), (10240, 8192): (2, 1, False), (18432, 16384): (3, 1, False)}
     assert gv.GemvConfig(4, 1, 4).ctas_per_sm() == 2
+    swiglu_split = gv.pick_gemv_config(16, 1024, 4096, Epilogue(activation="swiglu"))
+    assert swiglu_split.cluster and swiglu_split.stages == 2  # 3 would exceed shared memory by 64 bytes
     with pytest.raises(ValueError):
         gv.GemvConfig(4, 1, 4).check(Epilogue(activation="swiglu"))
     with pytest.raises(ValueError):
@@ -468,7 +482,15 @@ def test_64_token_tile_stages_and_padded_tma_rows():
 
 
 def test_w4a16_routes_decode_to_the_gemv():
-    assert ng.use_gemv(1) and ng.use_gemv(8) and not ng.use_gemv(9)
+    """Up to 8 tokens the GEMV on any weight; 9-16 tokens only on one-wave weights (<= 132 CTAs of
+    64 rows, 128 with SwiGLU) with K <= 8192; beyond 16 the WGMMA kernel."""
+    plain, swiglu = Epilogue(), Epilogue(activation="swiglu")
+    assert all(ng.use_gemv(m, n, k, plain, 132) for m in (1, 8) for n, k in ((57344, 8192), (8192, 28672)))
+    assert ng.use_gemv(16, 6144, 4096, plain, 132) and ng.use_gemv(9, 8448, 8192, plain, 132)
+    assert not ng.use_gemv(16, 8512, 4096, plain, 132)  # 133 CTAs: two waves
+    assert not ng.use_gemv(12, 8192, 14336, plain, 132)  # long K: the WGMMA kernel streams as well
+    assert ng.use_gemv(16, 16896, 4096, swiglu, 132) and not ng.use_gemv(16, 16896, 4096, plain, 132)
+    assert not ng.use_gemv(17, 4096, 4096, plain, 132)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -606,7 +628,7 @@ def test_gpu_config_variants(mode, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 16])
 @pytest.mark.parametrize("config,epi", [(None, Epilogue()),
                                         (None, Epilogue(bias=True, activation="silu", residual=True)),
                                         (None, Epilogue(activation="swiglu", bias=True, residual=True)),
@@ -614,28 +636,35 @@ def test_gpu_config_variants(mode, config):
                                         ("cluster3", Epilogue(bias=True, residual=True)),
                                         ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True))])
 def test_gpu_gemv_matches_float64_reference(m, config, epi):
-    """The decode GEMV: through the default W4A16 route (M <= 8), an uneven 3-way K-split through
-    the global turnstile, and K-splits meeting in a cluster's distributed shared memory."""
+    """The decode GEMV: through the default W4A16 route (the rule's config where the route takes
+    the WGMMA kernel), an uneven 3-way K-split through the global turnstile, and K-splits meeting in
+    a cluster's distributed shared memory; 9-16 tokens in two 8-token MMA fragments."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
-    cfg = {"split3": gv.GemvConfig(8, 1, 2, 3), "cluster3": gv.GemvConfig(8, 1, 3, 3, pdl=True, cluster=True),
-           "cluster4": gv.GemvConfig(8, 2, 2, 4, cluster=True), None: None}[config]  # None: the default route
+    tokens = 16 if m > 8 else 8
+    cfg = {"split3": gv.GemvConfig(8, 1, 2, 3, tokens),
+           "cluster3": gv.GemvConfig(8, 1, 3, 3, tokens, pdl=True, cluster=True),
+           "cluster4": gv.GemvConfig(8, 2, 2, 4, tokens, cluster=True),
+           None: None if ng.use_gemv(m, n, k, epi, 132) else gv.pick_gemv_config(m, n, k, epi)}[config]
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 8, 16])
 def test_gpu_gemv_multi_round_grid(m):
-    """The default route on a grid of three rounds of one CTA per SM (288 row blocks), which the
-    rule gives 3 stages: every CTA beyond the first round is written."""
+    """The GEMV rule's config (through the default route where it takes the GEMV) on a grid of three
+    rounds of one CTA per SM (288 row blocks), which the rule gives 3 stages: every CTA beyond the
+    first round is written."""
     from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 18432, 1024
-    cfg = gv.pick_gemv_config(m, n, k, Epilogue(), torch.cuda.get_device_properties(0).multi_processor_count)
-    assert cfg.stages == 3 and n // 64 > 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    out, ref = _gpu_case(m, n, k, Epilogue(bias=True), seed=20 + m, mode="w4a16")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gv.pick_gemv_config(m, n, k, Epilogue(), sms)
+    assert cfg.stages == 3 and n // 64 > 2 * sms
+    route = None if ng.use_gemv(m, n, k, Epilogue(bias=True), sms) else cfg  # None: the default route
+    out, ref = _gpu_case(m, n, k, Epilogue(bias=True), seed=20 + m, mode="w4a16", config=route)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

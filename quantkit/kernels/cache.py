@@ -64,6 +64,14 @@ def launch_stream(device, tvm_ffi: bool):
     return cuda.CUstream(stream)
 
 
+@functools.cache
+def num_sms(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (cached: launch paths ask on every call)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def arch_for_capability(major: int, minor: int) -> str:
     """CuTeDSL arch string for a compute capability, e.g. ``(9, 0) -> "sm_90a"``, ``(8, 9) -> "sm_89"``."""
     suffix = "a" if (major, minor) in _ARCH_SPECIFIC else ""

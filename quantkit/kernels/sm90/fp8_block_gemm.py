@@ -46,7 +46,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 import torch
 
-from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
 
@@ -761,12 +761,6 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
                           tvm_ffi=tvm_ffi)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, config: TileConfig | None,
           tvm_ffi: bool):
@@ -777,7 +771,7 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
         # the largest group of 16, 8 or 4 k-tiles that divides the k-tiles, else no overlap
         fits = [u for u in (16, 8, 4) if u < config.unroll and (k // BLOCK) % u == 0]
         config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False)
-    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=_num_sms(device), tvm_ffi=tvm_ffi)
+    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms(device), tvm_ffi=tvm_ffi)
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
@@ -879,7 +873,7 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
 
     m, k = x.shape
     n = w.shape[0]
-    if fp8_block_gemv.use_gemv(m, n, k, epilogue, _num_sms(x.device)):
+    if fp8_block_gemv.use_gemv(m, n, k, epilogue, num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
     tile_m = pick_config(m, n, k, epilogue).tile_m
     rows = -(-m // tile_m) * tile_m if m > 16 else m  # the padded M stays in its dispatch bucket

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
@@ -41,20 +41,12 @@ BK = 128  # K per k-tile: one activation group, one weight-scale block
 ROWS = 64  # weight rows per warp tile
 W_TILE = ROWS * BK  # FP8 weight bytes of a tile
 SLOT_HEAD = W_TILE + 16  # + the tile's weight-block scale (16 bytes keep the activations aligned)
-FRAG = gv.MAX_M  # tokens per MMA fragment (the MMA N)
-MAX_M = 2 * FRAG  # tokens: two fragments
+FRAG, MAX_M = gv.FRAG, gv.MAX_M  # tokens per MMA fragment (the MMA N), and two fragments
 
 
 @dataclass(frozen=True)
 class Fp8GemvConfig(gv.GemvConfig):
-    """:class:`.nvfp4_gemv.GemvConfig` with fp8-block ring slots, up to 16 tokens (two 8-token MMA
-    fragments); K-splits only as clusters."""
-
-    TOKENS = (1, 2, 4, 8, 16)
-
-    @property
-    def tile_tokens(self) -> int:
-        return MAX_M if self.tokens > FRAG else FRAG
+    """:class:`.nvfp4_gemv.GemvConfig` with fp8-block ring slots; K-splits only as clusters."""
 
     def check(self, epilogue: Epilogue) -> None:
         super().check(epilogue)
@@ -260,8 +252,7 @@ def compile_gemv(config: Fp8GemvConfig, epilogue: Epilogue, *, bias_fp32: bool =
 def _plan(tokens: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
           config: Fp8GemvConfig | None, tvm_ffi: bool):
     """The executor of one launch shape, cached: the per-call host path is a dict lookup."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    config = config or pick_gemv_config(tokens, n, k, epilogue, num_sms)
+    config = config or pick_gemv_config(tokens, n, k, epilogue, num_sms(device))
     config.check(epilogue)
     return compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 

@@ -6,11 +6,11 @@ WGMMA as the register-sourced A operand. The problem is computed transposed,
 (8..256), so a decode batch of one token still uses a legal (if mostly idle) MMA while the
 kernel streams the weight bytes.
 
-* **W4A16**: ``x`` bf16 (decode batches of ``M <= 8`` run the GEMV of :mod:`.nvfp4_gemv` on the
-  same prepared weight instead: :func:`use_gemv`). Each E2M1 code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the
-  code 0.5 is a bf16 subnormal), times the block scale re-encoded at load time as
-  ``s_b · 2^119`` in bf16, one ``mul.bf16x2`` per pair: the product ``e2m1 · s_b · 2^-7`` is
-  exact. ``acc · (s_g · 2^7)`` in the epilogue.
+* **W4A16**: ``x`` bf16 (decode batches of ``M <= 8``, and of ``M <= 16`` on one-wave weights, run
+  the GEMV of :mod:`.nvfp4_gemv` on the same prepared weight instead: :func:`use_gemv`). Each E2M1
+  code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the code 0.5 is a bf16 subnormal), times
+  the block scale re-encoded at load time as ``s_b · 2^119`` in bf16, one ``mul.bf16x2`` per pair:
+  the product ``e2m1 · s_b · 2^-7`` is exact. ``acc · (s_g · 2^7)`` in the epilogue.
 * **W4A8**: ``x`` quantized per token to E4M3 (:mod:`quantkit.formats.w4a8`); each code becomes
   an f16 ``e2m1 · 2^-14``, times ``s_b · 2^(14-c_n)`` (one ``mul.f16x2``: exactly
   ``e2m1 · s_b · 2^-c_n``), rounded once to E4M3 (``cvt.rn.satfinite.e4m3x2.f16x2``); FP8 WGMMA.
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
 from quantkit.kernels.sm90 import split_k
@@ -966,21 +966,29 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
 
 
 # ---------------------------------------------------------------------------------------- host
-GEMV_MAX_M = 8  # W4A16 runs the decode GEMV (:mod:`.nvfp4_gemv`) up to this many tokens (H200: faster at every shape)
+GEMV_MAX_M = 8  # W4A16 runs the decode GEMV (:mod:`.nvfp4_gemv`) up to this many tokens on any weight
+GEMV_16_MAX_K = 8192  # and 9-16 tokens on one-wave weights up to this K
 
 
-def use_gemv(m: int) -> bool:
-    """Whether W4A16 at ``M = m`` tokens runs the decode GEMV rather than the WGMMA kernel."""
-    return m <= GEMV_MAX_M
+def use_gemv(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int) -> bool:
+    """Whether W4A16 at ``M = m`` tokens on a prepared ``[n_pad, k]`` weight runs the decode GEMV
+    rather than the WGMMA kernel: up to 8 tokens always (H200: faster at every shape); 9-16 tokens
+    (two 8-token MMA fragments) where the weight is one wave of GEMV CTAs and ``k <= 8192`` (H100,
+    ``benchmarks/notes/nvfp4.md`` session 30: 1.04-1.47x as fast as the WGMMA kernel there; 1-34 %
+    slower on multi-wave weights, and from 2 % faster to 4 % slower at K = 14336 and 28672)."""
+    if m <= GEMV_MAX_M:
+        return True
+    rows = ROWS * (2 if epilogue.activation == "swiglu" else 1)
+    return m <= 2 * GEMV_MAX_M and n_pad // rows <= num_sms and k <= GEMV_16_MAX_K
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
           config: Config | None, tvm_ffi: bool):
     """(config, executor) of one WGMMA launch shape, cached: the per-call host path is a dict lookup."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    config = config or pick_config(m, n_pad, k, epilogue, w4a8, num_sms)
-    return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi, num_sms=num_sms)
+    sms = num_sms(device)
+    config = config or pick_config(m, n_pad, k, epilogue, w4a8, sms)
+    return config, compile_gemm(config, epilogue, w4a8, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi, num_sms=sms)
 
 
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
@@ -1023,7 +1031,8 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
     bias, residual, bias_fp32 = epilogue_operands(epilogue, m, w.n, n_out, bias, residual)
     from quantkit.kernels.sm90 import nvfp4_gemv
 
-    if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig) or (config is None and use_gemv(m))):
+    if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig)
+                     or (config is None and use_gemv(m, n_pad, k, epilogue, num_sms(x_arg.device)))):
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
     tvm_ffi = use_tvm_ffi()
     config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) decode GEMV on NVFP4 weights (W4A16, ``M <= 8`` tokens), in CuTeDSL.
+"""Hopper (sm_90a) decode GEMV on NVFP4 weights (W4A16, ``M <= 16`` tokens), in CuTeDSL.
 
 At decode only the weight bytes matter; a 64-row WGMMA tile with a producer warpgroup, mbarriers
 and a shared-memory stage per k-tile is more machinery than the byte stream needs. Here each warp
@@ -6,7 +6,8 @@ streams its own run of the weight tiles that :func:`.nvfp4_gemm.prepare` lays ou
 copy of the weight) through a private ``cp.async`` ring in shared memory (16-byte copies, several
 tiles in flight per warp, no mbarriers), decodes them with the GEMM's exact register decode
 (:func:`.nvfp4_gemm.dsl_ops`) and multiplies with warp-level ``mma.sync.m16n8k16`` (bf16 in,
-FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
+FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies; 9-16 tokens take a
+second 8-token fragment that reuses each decoded weight fragment).
 
 * A prepared 64x128 tile is 4 strips of 16 rows; strip ``s`` of the tile is exactly the A
   fragment of ``mma.m16n8k16`` for lane ``l`` at thread ``32 s + l`` of the WGMMA layout, so one
@@ -27,23 +28,25 @@ FP32 accumulate; tokens are the MMA N, padded to 8 with zero-filled copies).
   executor is CuTeDSL's tvm-ffi one (16 µs per eager launch on the H200 host vs 69 µs through
   the default executor, ``benchmarks/notes/nvfp4.md``).
 
-:func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for ``M <= 8`` tokens (:func:`.nvfp4_gemm.use_gemv`).
+:func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for decode batches (:func:`.nvfp4_gemm.use_gemv`).
 The weight format is a set of hooks (``make_fragments``, ``issue_weights``, ``load_fragments``,
 ``accumulate``, ``alpha``; the config's ``slot_bytes`` and ``tile_tokens``): the fp8-block GEMV
 (:mod:`.fp8_block_gemv`) subclasses this kernel with its own.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels.cache import launch_stream, use_tvm_ffi
+from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue
 from quantkit.kernels.sm90 import nvfp4_gemm as ng
 from quantkit.kernels.sm90 import split_k
 
-MAX_M = 8  # tokens: the MMA N
+FRAG = 8  # tokens per MMA fragment: the MMA N
+MAX_M = 2 * FRAG  # tokens: two fragments
 X_ROW = 272  # bytes per token row of a k-tile's activations in the ring (256 + 16: no bank conflicts)
 _SMEM = 227 * 1024
 
@@ -52,7 +55,7 @@ _SMEM = 227 * 1024
 class GemvConfig:
     """``warps`` per CTA, ``tiles`` 64-row tiles per CTA (2 for SwiGLU), ``stages`` ring slots per
     warp (``stages - 1`` k-tiles in flight), ``splits`` K-splits across CTAs, ``tokens`` activation
-    rows a ring slot holds (1, 2, 4 or 8: the most tokens it serves), ``pdl``: programmatic
+    rows a ring slot holds (1, 2, 4, 8 or 16: the most tokens it serves), ``pdl``: programmatic
     dependent launch (the weight copies of the first slots start before the previous grid ends),
     ``cluster``: the ``splits`` CTAs of a row block form one thread-block cluster and meet in
     distributed shared memory instead of the global split-K turnstile (2..8 splits)."""
@@ -61,16 +64,16 @@ class GemvConfig:
     tiles: int = 1
     stages: int = 4
     splits: int = 1
-    tokens: int = MAX_M
+    tokens: int = FRAG
     pdl: bool = False
     cluster: bool = False
 
-    TOKENS = (1, 2, 4, 8)  # ring-slot token counts
+    TOKENS = (1, 2, 4, 8, 16)  # ring-slot token counts
 
     @property
     def tile_tokens(self) -> int:
         """Token columns of the partial sums: 8 per MMA N fragment."""
-        return MAX_M
+        return MAX_M if self.tokens > FRAG else FRAG
 
     def check(self, epilogue: Epilogue) -> None:
         """Raise ValueError if this config cannot run ``epilogue``."""
@@ -108,7 +111,8 @@ def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: in
     per SM (k/v projections) and >= 4 k-tiles per warp. 3 stages (one CTA per SM) when the grid
     takes an odd number of rounds at one CTA per SM, else 2 (two CTAs per SM, the same number of
     half-size rounds): with two per SM an odd count leaves the last round half empty (H100 A/B,
-    session 25: 3 stages 5-17 % faster there, 2 stages up to 13 % faster on even counts)."""
+    session 25: 3 stages 5-17 % faster there, 2 stages up to 13 % faster on even counts). 9-16
+    tokens: one CTA per SM at any depth, so 3 stages where they fit, else 2."""
     tiles = 2 if epilogue.activation == "swiglu" else 1
     warps = 8
     ctas = n_pad // (ng.ROWS * tiles)
@@ -116,9 +120,10 @@ def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: in
     deep = 2 * ctas <= num_sms and k_tiles_per_warp >= 12
     narrow = 4 * ctas <= num_sms and k_tiles_per_warp >= 4
     splits = 2 if deep or narrow else 1
-    stages = 3 if -(-ctas * splits // num_sms) % 2 else 2
-    return GemvConfig(warps, tiles, stages, splits, tokens=1 << max(0, m - 1).bit_length(), pdl=True,
-                      cluster=splits > 1)
+    tokens = 1 << max(0, m - 1).bit_length()
+    stages = 3 if tokens > FRAG or -(-ctas * splits // num_sms) % 2 else 2
+    cfg = GemvConfig(warps, tiles, stages, splits, tokens, pdl=True, cluster=splits > 1)
+    return cfg if cfg.smem_bytes() <= _SMEM else dataclasses.replace(cfg, stages=2)
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -237,7 +242,7 @@ def _kernel_class():
             rb = bx * cfg.tiles + warp % cfg.tiles  # this warp's 64-row block
             ring_addr = storage.ring.data_ptr().toint() + warp * (cfg.stages * self.slot)
 
-            acc = cute.make_rmem_tensor((4, 4, self.mt // MAX_M), Float32)  # (C register, strip, 8-token fragment)
+            acc = cute.make_rmem_tensor((4, 4, self.mt // FRAG), Float32)  # (C register, strip, 8-token fragment)
             acc.fill(0.0)
             frag = self.make_fragments()
 
@@ -271,10 +276,10 @@ def _kernel_class():
             g, c = lane // 4, lane % 4
             part = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
                                     cute.make_layout((ng.ROWS, self.mt, cfg.warps), stride=(self.mt, 1, ring_words)))
-            for f in cutlass.range_constexpr(self.mt // MAX_M):
+            for f in cutlass.range_constexpr(self.mt // FRAG):
                 for s in cutlass.range_constexpr(4):
                     for j in cutlass.range_constexpr(4):
-                        part[16 * s + g + 8 * (j // 2), MAX_M * f + 2 * c + j % 2, warp] = acc[j, s, f]
+                        part[16 * s + g + 8 * (j // 2), FRAG * f + 2 * c + j % 2, warp] = acc[j, s, f]
             cute.arch.sync_threads()
             if self.reduce(storage, tidx, bx, bz, ws_ptr, cnt_ptr) != 0:
                 self.store(storage, tidx, bx, bz, self.alpha(aux_ptr), mOut, mBias, mRes, m, n_out, n_rows)
@@ -284,9 +289,9 @@ def _kernel_class():
         # ---- the weight format: NVFP4 tiles of nvfp4_gemm.prepare (the fp8-block GEMV overrides these)
         def make_fragments(self):
             """Register fragments of one k-tile: codes (word, half, strip), scales (word, strip),
-            activations (b0 | b1, k16 block)."""
+            activations (b0 | b1, k16 block, 8-token fragment)."""
             return (cute.make_rmem_tensor((4, 2, 4), Uint32), cute.make_rmem_tensor((4, 4), Uint32),
-                    cute.make_rmem_tensor((2, 8), Uint32))
+                    cute.make_rmem_tensor((2, 8, self.mt // FRAG), Uint32))
 
         @cute.jit
         def load_fragments(self, frag, storage, slot, warp, lane):
@@ -309,24 +314,27 @@ def _kernel_class():
                 for h in cutlass.range_constexpr(2):
                     cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
                 cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
-            if cutlass.const_expr(cfg.tokens < MAX_M):
+            if cutlass.const_expr(cfg.tokens < self.mt):
                 rx.fill(0)  # tokens past the slot's rows: zero B columns
-            if g < cfg.tokens:
-                for b in cutlass.range_constexpr(8):
-                    rx[0, b] = sX[g, 8 * b + c, slot, warp]
-                    rx[1, b] = sX[g, 8 * b + c + 4, slot, warp]
+            for f in cutlass.range_constexpr(self.mt // FRAG):
+                if g + FRAG * f < cfg.tokens:
+                    for b in cutlass.range_constexpr(8):
+                        rx[0, b, f] = sX[g + FRAG * f, 8 * b + c, slot, warp]
+                        rx[1, b, f] = sX[g + FRAG * f, 8 * b + c + 4, slot, warp]
 
         @cute.jit
         def accumulate(self, frag, acc, storage, slot, warp, lane):
-            """Decode the k-tile's weights in registers and ``acc += w · x`` (``mma.m16n8k16``)."""
+            """Decode the k-tile's weights in registers and ``acc += w · x`` (``mma.m16n8k16``, one
+            per 8-token fragment of each decoded weight fragment)."""
             rc, rs, rx = frag
             for b in cutlass.range_constexpr(8):
                 for s in cutlass.range_constexpr(4):
                     a = ops.decode_w4a16(rc[b % 4, b // 4, s], rs[b // 2, s], b)
-                    d = mma_sync("m16n8k16.row.col.f32.bf16.bf16.f32", a, rx[0, b], rx[1, b],
-                                 [acc[0, s, 0], acc[1, s, 0], acc[2, s, 0], acc[3, s, 0]])
-                    for j in cutlass.range_constexpr(4):
-                        acc[j, s, 0] = d[j]
+                    for f in cutlass.range_constexpr(self.mt // FRAG):
+                        d = mma_sync("m16n8k16.row.col.f32.bf16.bf16.f32", a, rx[0, b, f], rx[1, b, f],
+                                     [acc[0, s, f], acc[1, s, f], acc[2, s, f], acc[3, s, f]])
+                        for j in cutlass.range_constexpr(4):
+                            acc[j, s, f] = d[j]
 
         @cute.jit
         def alpha(self, aux_ptr):
@@ -475,15 +483,14 @@ def compile_gemv(config: GemvConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
 def _plan(tokens: int, n_pad: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device,
           config: GemvConfig | None, tvm_ffi: bool):
     """(config, executor) of one launch shape, cached: the per-call host path is a dict lookup."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    config = config or pick_gemv_config(tokens, n_pad, k, epilogue, num_sms)
+    config = config or pick_gemv_config(tokens, n_pad, k, epilogue, num_sms(device))
     config.check(epilogue)
     return config, compile_gemv(config, epilogue, bias_fp32=bias_fp32, tvm_ffi=tvm_ffi)
 
 
 def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias, residual, config: GemvConfig | None,
                 out: torch.Tensor) -> torch.Tensor:
-    """Run the GEMV on bf16 ``x [M <= 8, K]`` (contiguous, 16-byte aligned) into ``out``; the
+    """Run the GEMV on bf16 ``x [M <= 16, K]`` (contiguous, 16-byte aligned) into ``out``; the
     caller (:func:`.nvfp4_gemm.launch_gemm`) has checked shapes and epilogue operands."""
     m, k = x.shape
     if not 0 < m <= MAX_M:
@@ -498,7 +505,8 @@ def launch_gemv(x: torch.Tensor, w: ng.Nvfp4Sm90Weight, epilogue: Epilogue, bias
     if config.splits > 1 and not config.cluster:
         ctas = n_pad // (ng.ROWS * config.tiles)
         split_k.check_tiles(ctas)
-        ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * MAX_M, dtype=torch.float32, device=x.device)
+        ws = torch.empty(config.splits * ctas * ng.ROWS * config.tiles * config.tile_tokens, dtype=torch.float32,
+                         device=x.device)
         counters = split_k.counter_buffer(x.device)
     stream = launch_stream(x.device, tvm_ffi)
     fn(x.data_ptr(), w.tiles.data_ptr(), w.tensor_scale.data_ptr(), out.data_ptr(),
