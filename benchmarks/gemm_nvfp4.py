@@ -490,32 +490,6 @@ def run_gemv_stages_ab(shapes, fh):
 PAD_MS = (33, 47, 65, 100, 129, 200, 300)
 
 
-def run_gemv_direct_ab(shapes, fh, ms=(1, 8)):
-    """Decode GEMV: the rule's config against the same with ``direct`` weight loads (registers,
-    no ring) and against direct at 3 stages, beside bf16; a row's contenders in turn, ``ROUNDS``
-    rounds."""
-    rows = []
-    for name in shapes:
-        for n, k in SHAPES[name]:
-            _, preps, bf16s = weight_copies(n, k)
-            n_pad = preps[0].row_exp.shape[0]
-            for m in ms:
-                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                rule = gv.pick_gemv_config(m, n_pad, k, Epilogue())
-                cfgs = {"ring": rule, "direct": dataclasses.replace(rule, direct=True),
-                        "direct 3 stages": dataclasses.replace(rule, direct=True, stages=3)}
-                fns = {label: [lambda p=p, c=c, x=x: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
-                       for label, c in cfgs.items()}
-                fns["bf16"] = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]
-                row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(rule)}
-                row.update(medians(interleaved_us(fns, rounds=ROUNDS, reps=15)))
-                log("DIRECT " + json.dumps(row), fh)
-                rows.append(row)
-            del preps, bf16s
-            torch.cuda.empty_cache()
-    return rows
-
-
 def run_pad_ab(shapes, fh):
     """W4A16 at token counts whose last tile is partial: the default route (a tile-high copy of x
     where :func:`ng.tma_rows` says) against the same kernel reading x's own rows, beside bf16;
@@ -704,8 +678,6 @@ def main():
                     help="only: the GEMV rule's config vs 2/3/4 ring stages over --shapes (wave counts)")
     ap.add_argument("--pad-ab", action="store_true",
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
-    ap.add_argument("--gemv-direct-ab", action="store_true",
-                    help="only: decode GEMV with direct weight loads vs the ring (--variant-ms token counts)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
@@ -726,10 +698,6 @@ def main():
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:
             (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
-        return
-    if args.gemv_direct_ab:
-        with open(out / "direct.log", "w") as fh:
-            (out / "direct.json").write_text(json.dumps(run_gemv_direct_ab(args.shapes, fh, args.variant_ms), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:

@@ -377,11 +377,6 @@ GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, e
     (8, 1, 3, 1, 16, True, False, Epilogue(bias=True, residual=True)),
     (8, 2, 2, 2, 16, False, True, Epilogue(bias=True, activation="swiglu")),
 ]
-GEMV_DIRECT_CASES = [  # (config, epilogue): weights straight into registers
-    ((8, 1, 3, 1, 1, True, False, True), Epilogue(bias=True, residual=True)),
-    ((8, 1, 2, 2, 8, True, True, True), Epilogue()),
-    ((8, 2, 2, 3, 16, False, False, True), Epilogue(bias=True, activation="swiglu")),
-]
 
 
 def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
@@ -424,40 +419,6 @@ def test_gemv_compiles_for_sm90a_to_mma_sync_and_cp_async(tmp_path):
         assert text.count("ld.shared::cluster.f32") == (splits * 64 * tiles * 8 * frags // (32 * warps) if cluster else 0)
         assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == pdl
-
-
-def test_direct_gemv_compiles_for_sm90a_to_global_vector_loads(tmp_path):
-    """``direct`` GEMVs: the weight fragments come from 16-byte global loads (12 per k-tile and
-    lane), the ring only carries activations, and
-    nothing spills to local memory (one CTA per SM leaves room for the register double buffer)."""
-    pytest.importorskip("cutlass")
-    script = textwrap.dedent(f"""
-        import json, os, sys
-        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-        from quantkit.kernels.epilogue import Epilogue
-        from quantkit.kernels.sm90 import nvfp4_gemv as gv
-        for i, (cfg, (bias, act, res)) in enumerate(json.loads(sys.argv[1])):
-            d = os.path.join({str(tmp_path)!r}, str(i))
-            os.makedirs(d)
-            gv.compile_gemv(gv.GemvConfig(*cfg), Epilogue(bias=bias, activation=act, residual=res),
-                            arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
-    """)
-    cases = [(cfg, (e.bias, e.activation, e.residual)) for cfg, e in GEMV_DIRECT_CASES]
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (cfg, _e) in enumerate(GEMV_DIRECT_CASES):
-        text = "".join(f.read_text() for f in (tmp_path / str(i)).glob("*.ptx"))
-        # sites: the prologue and the loop's two steps (the odd tail step has no tile i + 1)
-        assert text.count("ld.global.v4.u32") + text.count("ld.global.v4.b32") == 3 * 12
-        assert "ld.shared.v4.b32" not in text  # no weight fragments from the ring
-        stages, tokens = cfg[2], cfg[4]  # activation copies: stages - 1 in the prologue, 1 per loop step
-        assert text.count("cp.async.cg.shared.global.L2::128B") == max(1, tokens // 2) * (stages + 1)
-        assert "ld.local" not in text and "st.local" not in text
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
-
-    assert gv.GemvConfig(8, 1, 2, direct=True).ctas_per_sm() == 1
 
 
 def test_gemv_config_rule():
@@ -673,9 +634,7 @@ def test_gpu_config_variants(mode, config):
                                         (None, Epilogue(activation="swiglu", bias=True, residual=True)),
                                         ("split3", Epilogue(activation="gelu_tanh")),
                                         ("cluster3", Epilogue(bias=True, residual=True)),
-                                        ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True)),
-                                        ("direct", Epilogue(bias=True, residual=True)),
-                                        ("direct_cluster", Epilogue(activation="swiglu", bias=True))])
+                                        ("cluster4", Epilogue(activation="swiglu", bias=True, residual=True))])
 def test_gpu_gemv_matches_float64_reference(m, config, epi):
     """The decode GEMV: through the default W4A16 route (the rule's config where the route takes
     the WGMMA kernel), an uneven 3-way K-split through the global turnstile, and K-splits meeting in
@@ -684,8 +643,7 @@ def test_gpu_gemv_matches_float64_reference(m, config, epi):
 
     n, k = 1024, 4096
     tokens = 16 if m > 8 else 8
-    cfg = {"split3": gv.GemvConfig(8, 1, 2, 3, tokens), "direct": gv.GemvConfig(8, 1, 3, 1, tokens, direct=True),
-           "direct_cluster": gv.GemvConfig(8, 2, 2, 2, tokens, cluster=True, direct=True),
+    cfg = {"split3": gv.GemvConfig(8, 1, 2, 3, tokens),
            "cluster3": gv.GemvConfig(8, 1, 3, 3, tokens, pdl=True, cluster=True),
            "cluster4": gv.GemvConfig(8, 2, 2, 4, tokens, cluster=True),
            None: None if ng.use_gemv(m, n, k, epi, 132) else gv.pick_gemv_config(m, n, k, epi)}[config]

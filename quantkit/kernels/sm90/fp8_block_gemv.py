@@ -50,8 +50,6 @@ class Fp8GemvConfig(gv.GemvConfig):
 
     def check(self, epilogue: Epilogue) -> None:
         super().check(epilogue)
-        if self.direct:
-            raise ValueError("the fp8-block GEMV has no direct weight loads")
         if self.splits > 1 and not self.cluster:
             raise ValueError("the fp8-block GEMV splits K only across a cluster (cluster=True)")
 

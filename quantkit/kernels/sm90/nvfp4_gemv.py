@@ -58,9 +58,7 @@ class GemvConfig:
     rows a ring slot holds (1, 2, 4, 8 or 16: the most tokens it serves), ``pdl``: programmatic
     dependent launch (the weight copies of the first slots start before the previous grid ends),
     ``cluster``: the ``splits`` CTAs of a row block form one thread-block cluster and meet in
-    distributed shared memory instead of the global split-K turnstile (2..8 splits); ``direct``:
-    each lane loads its weight fragments from global memory straight into registers (16-byte
-    loads, one k-tile ahead in a register double buffer), the ring carries only the activations."""
+    distributed shared memory instead of the global split-K turnstile (2..8 splits)."""
 
     warps: int = 4
     tiles: int = 1
@@ -69,7 +67,6 @@ class GemvConfig:
     tokens: int = FRAG
     pdl: bool = False
     cluster: bool = False
-    direct: bool = False
 
     TOKENS = (1, 2, 4, 8, 16)  # ring-slot token counts
 
@@ -102,8 +99,8 @@ class GemvConfig:
         return self.warps * self.stages * self.slot_bytes() + tile * (2 if self.cluster else 1) + 1024 + 64
 
     def ctas_per_sm(self) -> int:
-        """CTAs that fit one SM's shared memory (``direct``: one, for the register double buffer)."""
-        return 1 if self.direct else max(1, _SMEM // self.smem_bytes())
+        """CTAs that fit one SM's shared memory."""
+        return max(1, _SMEM // self.smem_bytes())
 
 
 def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int = 132) -> GemvConfig:
@@ -251,41 +248,27 @@ def _kernel_class():
 
             # prologue: fill the ring (with PDL the weights first: no previous kernel writes them)
             if cutlass.const_expr(cfg.pdl):
-                for i in cutlass.range_constexpr(0 if cfg.direct else cfg.stages - 1):
+                for i in cutlass.range_constexpr(cfg.stages - 1):
                     if i < count:
                         self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
                 cute.arch.griddepcontrol_wait()
             for i in cutlass.range_constexpr(cfg.stages - 1):
                 if i < count:
-                    if cutlass.const_expr(not cfg.pdl and not cfg.direct):
+                    if cutlass.const_expr(not cfg.pdl):
                         self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + i, i, lane, k)
                     self.issue_x(ring_addr, x_ptr, my_lo + i, i, lane, m, k)
                 cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(cfg.direct):
-                rc, rs, rx = frag
-                other = (cute.make_rmem_tensor(rc.layout, Uint32), cute.make_rmem_tensor(rs.layout, Uint32), rx)
-                if 0 < count:
-                    self.load_weights_direct(frag, w_ptr, rb, my_lo, lane, k)
-                for j in cutlass.range(count // 2, unroll=1):  # two k-tiles: the register buffers swap
-                    self.direct_step(frag, other, acc, storage, ring_addr, w_ptr, x_ptr, rb, my_lo, 2 * j, count,
-                                     warp, lane, m, k)
-                    self.direct_step(other, frag, acc, storage, ring_addr, w_ptr, x_ptr, rb, my_lo, 2 * j + 1, count,
-                                     warp, lane, m, k)
-                if count % 2 == 1:
-                    self.direct_step(frag, other, acc, storage, ring_addr, w_ptr, x_ptr, rb, my_lo, count - 1, count,
-                                     warp, lane, m, k)
-            else:
-                for i in cutlass.range(count, unroll=1):
-                    cute.arch.cp_async_wait_group(cfg.stages - 2)
-                    cute.arch.sync_warp()  # every lane's copies of slot i % stages have landed
-                    self.load_fragments(frag, storage, i % cfg.stages, warp, lane)
-                    # refill the slot read in the previous iteration (its registers are consumed)
-                    nxt = i + cfg.stages - 1
-                    if nxt < count:
-                        self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
-                        self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
-                    cute.arch.cp_async_commit_group()
-                    self.accumulate(frag, acc, storage, i % cfg.stages, warp, lane)
+            for i in cutlass.range(count, unroll=1):
+                cute.arch.cp_async_wait_group(cfg.stages - 2)
+                cute.arch.sync_warp()  # every lane's copies of slot i % stages have landed
+                self.load_fragments(frag, storage, i % cfg.stages, warp, lane)
+                # refill the slot read in the previous iteration (its registers are consumed)
+                nxt = i + cfg.stages - 1
+                if nxt < count:
+                    self.issue_weights(ring_addr, w_ptr, aux_ptr, rb, my_lo + nxt, nxt % cfg.stages, lane, k)
+                    self.issue_x(ring_addr, x_ptr, my_lo + nxt, nxt % cfg.stages, lane, m, k)
+                cute.arch.cp_async_commit_group()
+                self.accumulate(frag, acc, storage, i % cfg.stages, warp, lane)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
             # this warp's partial [64 rows, mt tokens] into its own ring slot 0 (FP32)
@@ -319,26 +302,18 @@ def _kernel_class():
             ring_words = cfg.stages * slot_words  # per warp
             words = cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32)
             # per (slot, warp), as 32-bit words: codes (word, lane, strip, half), scales (word, quad,
-            # strip); then the activations (:meth:`load_x`)
+            # strip), activations (token, word)
             sCode = cute.make_tensor(words, cute.make_layout((4, 32, 4, 2, cfg.stages, cfg.warps),
                                                              stride=(1, 4, 128, 512, slot_words, ring_words)))
             sScale = cute.make_tensor(words + ng.CODE_BYTES // 4, cute.make_layout(
                 (4, 8, 4, cfg.stages, cfg.warps), stride=(1, 4, 32, slot_words, ring_words)))
+            sX = cute.make_tensor(words + ng.TILE_BYTES // 4, cute.make_layout(
+                (cfg.tokens, X_ROW // 4, cfg.stages, cfg.warps), stride=(X_ROW // 4, 1, slot_words, ring_words)))
+            g, c = lane // 4, lane % 4
             for s in cutlass.range_constexpr(4):
                 for h in cutlass.range_constexpr(2):
                     cute.autovec_copy(sCode[None, lane, s, h, slot, warp], rc[None, h, s])
                 cute.autovec_copy(sScale[None, lane // 4, s, slot, warp], rs[None, s])
-            self.load_x(rx, storage, slot, warp, lane)
-
-        @cute.jit
-        def load_x(self, rx, storage, slot, warp, lane):
-            """The B fragments (activations) of ring slot ``slot`` into ``rx``."""
-            cfg = self.cfg
-            slot_words = self.slot // 4
-            sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Uint32) + self.x_offset // 4,
-                                  cute.make_layout((cfg.tokens, X_ROW // 4, cfg.stages, cfg.warps),
-                                                   stride=(X_ROW // 4, 1, slot_words, cfg.stages * slot_words)))
-            g, c = lane // 4, lane % 4
             if cutlass.const_expr(cfg.tokens < self.mt):
                 rx.fill(0)  # tokens past the slot's rows: zero B columns
             for f in cutlass.range_constexpr(self.mt // FRAG):
@@ -346,38 +321,6 @@ def _kernel_class():
                     for b in cutlass.range_constexpr(8):
                         rx[0, b, f] = sX[g + FRAG * f, 8 * b + c, slot, warp]
                         rx[1, b, f] = sX[g + FRAG * f, 8 * b + c + 4, slot, warp]
-
-        @cute.jit
-        def load_weights_direct(self, frag, w_ptr, rb, kt, lane, k):
-            """Row block ``rb``'s prepared weight tile ``kt`` from global memory into the code and scale
-            registers of ``frag`` (the lane's 16-byte pieces, as :meth:`load_fragments` reads them)."""
-            rc, rs, _ = frag
-            base = w_ptr + (Int64(rb) * (k // ng.BK) + kt) * ng.TILE_BYTES
-            gmem = cute.AddressSpace.gmem
-            gCode = cute.make_tensor(cute.make_ptr(Uint32, base, gmem, assumed_align=16),
-                                     cute.make_layout((4, 32, 4, 2), stride=(1, 4, 128, 512)))
-            gScale = cute.make_tensor(cute.make_ptr(Uint32, base + ng.CODE_BYTES, gmem, assumed_align=16),
-                                      cute.make_layout((4, 8, 4), stride=(1, 4, 32)))
-            for s in cutlass.range_constexpr(4):
-                for h in cutlass.range_constexpr(2):
-                    cute.autovec_copy(gCode[None, lane, s, h], rc[None, h, s])
-                cute.autovec_copy(gScale[None, lane // 4, s], rs[None, s])
-
-        @cute.jit
-        def direct_step(self, cur, nxt, acc, storage, ring_addr, w_ptr, x_ptr, rb, my_lo, i, count, warp, lane, m, k):
-            """k-tile ``i`` of a ``direct`` warp: its weights are in ``cur``; start loading tile
-            ``i + 1`` into ``nxt``, take the activations from the ring, refill it, multiply."""
-            cfg = self.cfg
-            cute.arch.cp_async_wait_group(cfg.stages - 2)
-            cute.arch.sync_warp()  # every lane's activation copies of slot i % stages have landed
-            if i + 1 < count:
-                self.load_weights_direct(nxt, w_ptr, rb, my_lo + i + 1, lane, k)
-            self.load_x(cur[2], storage, i % cfg.stages, warp, lane)
-            nxt_x = i + cfg.stages - 1
-            if nxt_x < count:
-                self.issue_x(ring_addr, x_ptr, my_lo + nxt_x, nxt_x % cfg.stages, lane, m, k)
-            cute.arch.cp_async_commit_group()
-            self.accumulate(cur, acc, storage, i % cfg.stages, warp, lane)
 
         @cute.jit
         def accumulate(self, frag, acc, storage, slot, warp, lane):
