@@ -172,7 +172,7 @@ def run_check(fh, gemv_only: bool = False) -> bool:
     for i, (m, n, k, epi, cfg) in enumerate(gemv_cases):
         timer = watchdog(240, f"check gemv m={m} {n}x{k} {epi} {cfg}")
         try:
-            # cfg None: the default W4A16 route (use_gemv, the rule's config, tvm-ffi where installed)
+            # cfg None: the default W4A16 route (nvfp4_gemv.use_gemv, the rule's config, tvm-ffi where installed)
             unwritten, err, floor = check_case("w4a16", m, n, k, epi, seed=200 + i, config=cfg)
             good = unwritten == 0 and err < max(4e-3, 2 * floor)
             shown = cfg or f"default route {gv.pick_gemv_config(m, -(-n // 128) * 128, k, epi)}"

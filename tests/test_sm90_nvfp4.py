@@ -484,13 +484,15 @@ def test_64_token_tile_stages_and_padded_tma_rows():
 def test_w4a16_routes_decode_to_the_gemv():
     """Up to 8 tokens the GEMV on any weight; 9-16 tokens only on one-wave weights (<= 132 CTAs of
     64 rows, 128 with SwiGLU) with K <= 8192; beyond 16 the WGMMA kernel."""
+    from quantkit.kernels.sm90 import nvfp4_gemv as gv
+
     plain, swiglu = Epilogue(), Epilogue(activation="swiglu")
-    assert all(ng.use_gemv(m, n, k, plain, 132) for m in (1, 8) for n, k in ((57344, 8192), (8192, 28672)))
-    assert ng.use_gemv(16, 6144, 4096, plain, 132) and ng.use_gemv(9, 8448, 8192, plain, 132)
-    assert not ng.use_gemv(16, 8512, 4096, plain, 132)  # 133 CTAs: two waves
-    assert not ng.use_gemv(12, 8192, 14336, plain, 132)  # long K: the WGMMA kernel streams as well
-    assert ng.use_gemv(16, 16896, 4096, swiglu, 132) and not ng.use_gemv(16, 16896, 4096, plain, 132)
-    assert not ng.use_gemv(17, 4096, 4096, plain, 132)
+    assert all(gv.use_gemv(m, n, k, plain, 132) for m in (1, 8) for n, k in ((57344, 8192), (8192, 28672)))
+    assert gv.use_gemv(16, 6144, 4096, plain, 132) and gv.use_gemv(9, 8448, 8192, plain, 132)
+    assert not gv.use_gemv(16, 8512, 4096, plain, 132)  # 133 CTAs: two waves
+    assert not gv.use_gemv(12, 8192, 14336, plain, 132)  # long K: the WGMMA kernel streams as well
+    assert gv.use_gemv(16, 16896, 4096, swiglu, 132) and not gv.use_gemv(16, 16896, 4096, plain, 132)
+    assert not gv.use_gemv(17, 4096, 4096, plain, 132)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -646,7 +648,7 @@ def test_gpu_gemv_matches_float64_reference(m, config, epi):
     cfg = {"split3": gv.GemvConfig(8, 1, 2, 3, tokens),
            "cluster3": gv.GemvConfig(8, 1, 3, 3, tokens, pdl=True, cluster=True),
            "cluster4": gv.GemvConfig(8, 2, 2, 4, tokens, cluster=True),
-           None: None if ng.use_gemv(m, n, k, epi, 132) else gv.pick_gemv_config(m, n, k, epi)}[config]
+           None: None if gv.use_gemv(m, n, k, epi, 132) else gv.pick_gemv_config(m, n, k, epi)}[config]
     out, ref = _gpu_case(m, n, k, epi, seed=10 + m, mode="w4a16", config=cfg)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
@@ -664,7 +666,7 @@ def test_gpu_gemv_multi_round_grid(m):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = gv.pick_gemv_config(m, n, k, Epilogue(), sms)
     assert cfg.stages == 3 and n // 64 > 2 * sms
-    route = None if ng.use_gemv(m, n, k, Epilogue(bias=True), sms) else cfg  # None: the default route
+    route = None if gv.use_gemv(m, n, k, Epilogue(bias=True), sms) else cfg  # None: the default route
     out, ref = _gpu_case(m, n, k, Epilogue(bias=True), seed=20 + m, mode="w4a16", config=route)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

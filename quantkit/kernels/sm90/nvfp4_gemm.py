@@ -7,7 +7,7 @@ WGMMA as the register-sourced A operand. The problem is computed transposed,
 kernel streams the weight bytes.
 
 * **W4A16**: ``x`` bf16 (decode batches of ``M <= 8``, and of ``M <= 16`` on one-wave weights, run
-  the GEMV of :mod:`.nvfp4_gemv` on the same prepared weight instead: :func:`use_gemv`). Each E2M1
+  the GEMV of :mod:`.nvfp4_gemv` on the same prepared weight instead: :func:`.nvfp4_gemv.use_gemv`). Each E2M1
   code becomes a bf16 by bit placement (``e2m1 · 2^-126``; the code 0.5 is a bf16 subnormal), times
   the block scale re-encoded at load time as ``s_b · 2^119`` in bf16, one ``mul.bf16x2`` per pair:
   the product ``e2m1 · s_b · 2^-7`` is exact. ``acc · (s_g · 2^7)`` in the epilogue.
@@ -966,22 +966,6 @@ def compile_gemm(config: Config, epilogue: Epilogue, w4a8: bool, *, bias_fp32: b
 
 
 # ---------------------------------------------------------------------------------------- host
-GEMV_MAX_M = 8  # W4A16 runs the decode GEMV (:mod:`.nvfp4_gemv`) up to this many tokens on any weight
-GEMV_16_MAX_K = 8192  # and 9-16 tokens on one-wave weights up to this K
-
-
-def use_gemv(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int) -> bool:
-    """Whether W4A16 at ``M = m`` tokens on a prepared ``[n_pad, k]`` weight runs the decode GEMV
-    rather than the WGMMA kernel: up to 8 tokens always (H200: faster at every shape); 9-16 tokens
-    (two 8-token MMA fragments) where the weight is one wave of GEMV CTAs and ``k <= 8192`` (H100,
-    ``benchmarks/notes/nvfp4.md`` session 30: 1.04-1.47x as fast as the WGMMA kernel there; 1-34 %
-    slower on multi-wave weights, and from 2 % faster to 4 % slower at K = 14336 and 28672)."""
-    if m <= GEMV_MAX_M:
-        return True
-    rows = ROWS * (2 if epilogue.activation == "swiglu" else 1)
-    return m <= 2 * GEMV_MAX_M and n_pad // rows <= num_sms and k <= GEMV_16_MAX_K
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32: bool, device: torch.device,
           config: Config | None, tvm_ffi: bool):
@@ -1013,7 +997,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
                 config, out: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel on ``x_arg [M, K]`` (bf16, or for W4A8 the K-permuted E4M3 activations with
     FP32 per-token ``x_scale [M]``); checks shapes, picks the kernel (W4A16: the decode GEMV for
-    :func:`use_gemv` token counts or a ``GemvConfig``) and its config, pads a short token tile's
+    :func:`.nvfp4_gemv.use_gemv` token counts or a ``GemvConfig``) and its config, pads a short token tile's
     activations, allocates split-K scratch."""
     m, k = x_arg.shape
     n_pad = w.row_exp.shape[0]
@@ -1032,7 +1016,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
     from quantkit.kernels.sm90 import nvfp4_gemv
 
     if not w4a8 and (isinstance(config, nvfp4_gemv.GemvConfig)
-                     or (config is None and use_gemv(m, n_pad, k, epilogue, num_sms(x_arg.device)))):
+                     or (config is None and nvfp4_gemv.use_gemv(m, n_pad, k, epilogue, num_sms(x_arg.device)))):
         return nvfp4_gemv.launch_gemv(x_arg, w, epilogue, bias, residual, config, out)
     tvm_ffi = use_tvm_ffi()
     config, fn = _plan(m, n_pad, k, epilogue, w4a8, bias_fp32, x_arg.device, config, tvm_ffi)

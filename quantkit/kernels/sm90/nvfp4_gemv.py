@@ -28,7 +28,7 @@ second 8-token fragment that reuses each decoded weight fragment).
   executor is CuTeDSL's tvm-ffi one (16 µs per eager launch on the H200 host vs 69 µs through
   the default executor, ``benchmarks/notes/nvfp4.md``).
 
-:func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for decode batches (:func:`.nvfp4_gemm.use_gemv`).
+:func:`.nvfp4_gemm.nvfp4_w4a16` runs this kernel for decode batches (:func:`use_gemv`).
 The weight format is a set of hooks (``make_fragments``, ``issue_weights``, ``load_fragments``,
 ``accumulate``, ``alpha``; the config's ``slot_bytes`` and ``tile_tokens``): the fp8-block GEMV
 (:mod:`.fp8_block_gemv`) subclasses this kernel with its own.
@@ -47,6 +47,7 @@ from quantkit.kernels.sm90 import split_k
 
 FRAG = 8  # tokens per MMA fragment: the MMA N
 MAX_M = 2 * FRAG  # tokens: two fragments
+WIDE_MAX_K = 8192  # 9-16 tokens take the GEMV on one-wave weights up to this K (use_gemv)
 X_ROW = 272  # bytes per token row of a k-tile's activations in the ring (256 + 16: no bank conflicts)
 _SMEM = 227 * 1024
 
@@ -124,6 +125,18 @@ def pick_gemv_config(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: in
     stages = 3 if tokens > FRAG or -(-ctas * splits // num_sms) % 2 else 2
     cfg = GemvConfig(warps, tiles, stages, splits, tokens, pdl=True, cluster=splits > 1)
     return cfg if cfg.smem_bytes() <= _SMEM else dataclasses.replace(cfg, stages=2)
+
+
+def use_gemv(m: int, n_pad: int, k: int, epilogue: Epilogue, num_sms: int) -> bool:
+    """Whether W4A16 at ``M = m`` tokens on a prepared ``[n_pad, k]`` weight runs this GEMV
+    rather than the WGMMA kernel: up to 8 tokens always (H200: faster at every shape); 9-16 tokens
+    (two 8-token MMA fragments) where the weight is one wave of GEMV CTAs and ``k <= 8192`` (H100,
+    ``benchmarks/notes/nvfp4.md`` session 30: 1.04-1.47x as fast as the WGMMA kernel there; 1-34 %
+    slower on multi-wave weights, and from 2 % faster to 4 % slower at K = 14336 and 28672)."""
+    if m <= FRAG:
+        return True
+    rows = ng.ROWS * (2 if epilogue.activation == "swiglu" else 1)
+    return m <= MAX_M and n_pad // rows <= num_sms and k <= WIDE_MAX_K
 
 
 # ---------------------------------------------------------------------------------------- kernel
