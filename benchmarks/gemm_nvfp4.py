@@ -525,6 +525,39 @@ def run_pad_ab(shapes, fh):
     return rows
 
 
+CLUSTER_MS = (12, 16, 24, 32, 48, 64)
+
+
+def run_cluster_ab(shapes, fh):
+    """W4A16 K-split grids: the rule's config (global split-K turnstile) against the same config
+    as thread-block clusters meeting in distributed shared memory, beside the default route and
+    bf16; 3 interleaved rounds, after a float64 check of the cluster config."""
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            _, preps, bf16s = weight_copies(n, k)
+            n_pad = preps[0].row_exp.shape[0]
+            for m in CLUSTER_MS:
+                rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
+                if rule.splits == 1:
+                    continue
+                cluster = dataclasses.replace(rule, cluster=True)
+                unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m, cluster)
+                assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                us = interleaved_us({
+                    "turnstile": [lambda p=p, x=x, c=rule: ng.nvfp4_w4a16(x, p, config=c) for p in preps],
+                    "cluster": [lambda p=p, x=x, c=cluster: ng.nvfp4_w4a16(x, p, config=c) for p in preps],
+                    "default route": [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps],
+                    "bf16": [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]})
+                row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(rule), "us": us}
+                rows.append(row)
+                log("CLUSTER " + json.dumps(row), fh)
+            del preps, bf16s
+            torch.cuda.empty_cache()
+    return rows
+
+
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
               ("70b", 57344, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
@@ -682,6 +715,8 @@ def main():
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
+    ap.add_argument("--cluster-ab", action="store_true",
+                    help="only: K-split grids through the turnstile vs as clusters (CLUSTER_MS)")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
@@ -700,6 +735,10 @@ def main():
     if args.persistent_ab:
         with open(out / "pab.log", "w") as fh:
             (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
+        return
+    if args.cluster_ab:
+        with open(out / "cluster.log", "w") as fh:
+            (out / "cluster.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:

@@ -303,8 +303,21 @@ def test_persistent_configs_stage_the_output_beside_the_pipeline():
         ng.Config(128, 2, 5, 1, tokens_fastest=True).check(epi, w4a8=False)
 
 
+def test_cluster_split_configs():
+    """A cluster split has 2..8 splits, and split 1..'s partial tile (FP32, bn/2 per thread) must
+    fit the activation stages it reuses: always in W4A16 (bf16 stages), in W4A8 from 2 stages per
+    warpgroup."""
+    epi = Epilogue()
+    with pytest.raises(ValueError, match="cluster split needs 2..8 splits"):
+        ng.Config(64, 1, 8, 1, cluster=True).check(epi, w4a8=False)
+    with pytest.raises(ValueError, match="cluster split needs"):
+        ng.Config(64, 2, 3, 2, cluster=True).check(epi, w4a8=True)
+    ng.Config(64, 2, 4, 2, cluster=True).check(epi, w4a8=True)
+    ng.Config(64, 2, 3, 8, cluster=True).check(epi, w4a8=False)
+
+
 # ----------------------------------------------------------------------------- compile-only
-COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue): every token tile and warpgroup count, both modes
+COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every token tile and warpgroup count, both modes
     ("w4a16", 8, 1, 8, Epilogue()),
     ("w4a16", 8, 2, 2, Epilogue(activation="swiglu", residual=True)),
     ("w4a16", 16, 1, 4, Epilogue(bias=True, activation="silu", residual=True)),
@@ -317,21 +330,26 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue): every token tile 
     ("w4a8", 256, 2, 1, Epilogue(bias=True)),
     ("w4a8", 256, 2, 1, Epilogue(residual=True), "persistent"),
     ("w4a16", 128, 2, 1, Epilogue(activation="swiglu"), "persistent"),
+    ("w4a16", 64, 1, 2, Epilogue(), "cluster"),
+    ("w4a16", 16, 2, 4, Epilogue(bias=True, activation="swiglu", residual=True), "cluster"),
+    ("w4a8", 32, 1, 8, Epilogue(bias=True), "cluster"),
 ]
 
 
 def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     pytest.importorskip("cutlass")
-    cases = [(c[0], c[1], c[2], c[3], c[4].bias, c[4].activation, c[4].residual, len(c) > 5) for c in COMPILE_CASES]
+    cases = [(*c[:4], c[4].bias, c[4].activation, c[4].residual, c[5] if len(c) > 5 else "") for c in COMPILE_CASES]
     script = textwrap.dedent(f"""
         import json, os, sys
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
         from quantkit.kernels.sm90 import nvfp4_gemm as ng, nvfp4_w4a8 as nw8
-        for i, (mode, bn, wg, sp, bias, act, res, persistent) in enumerate(json.loads(sys.argv[1])):
+        for i, (mode, bn, wg, sp, bias, act, res, variant) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0 and not persistent, batched=bn <= 16, persistent=persistent)
+            persistent = variant == "persistent"
+            cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0 and not persistent, batched=bn <= 16, persistent=persistent,
+                            cluster=variant == "cluster")
             ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
         for held in nw8.HELD:
@@ -346,13 +364,18 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
     def ptx(d):
         return "".join(open(os.path.join(tmp_path, d, f)).read() for f in os.listdir(tmp_path / d) if f.endswith(".ptx"))
 
-    for i, (mode, bn, _wg, splits, epi, *persistent) in enumerate(COMPILE_CASES):
+    for i, (mode, bn, wg, splits, epi, *variant) in enumerate(COMPILE_CASES):
         text = ptx(str(i))
+        persistent, cluster = variant == ["persistent"], variant == ["cluster"]
         assert ".target sm_90a" in text
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
-        assert ("atom.global.acq_rel.add" in text) == (splits > 1)  # split-K turnstile only when split
+        assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)  # split-K turnstile only when split
+        # a cluster's split 0 adds each peer's partial from distributed shared memory: per thread,
+        # one load per peer and accumulator register (bn / 2)
+        assert text.count("ld.shared::cluster.f32") == ((splits - 1) * bn // 2 if cluster else 0)
+        assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0 and not persistent)  # PDL variant
         # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory; staged
         # as FP32 (rounded after the residual add) or, without a residual, as the bf16 outputs
@@ -626,6 +649,28 @@ def test_gpu_config_variants(mode, config):
     m = min(config.bn, 200) - 3
     out, ref = _gpu_case(m, 1024, 2048, Epilogue(bias=True, residual=True), seed=9, mode=mode, config=config)
     assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+CLUSTER_CASES = [  # (mode, turnstile config, M, epilogue): several row blocks per launch, 2-8 splits
+    ("w4a16", ng.Config(64, 1, 8, 2), 64, Epilogue()),
+    ("w4a16", ng.Config(64, 1, 5, 4), 61, Epilogue(bias=True, activation="silu", residual=True)),
+    ("w4a16", ng.Config(16, 2, 4, 4, pdl=True), 40, Epilogue(activation="swiglu", bias=True, residual=True)),  # 3 token tiles
+    ("w4a16", ng.Config(32, 1, 8, 8), 32, Epilogue(activation="gelu_tanh")),
+    ("w4a8", ng.Config(64, 1, 4, 2), 64, Epilogue(bias=True)),
+    ("w4a8", ng.Config(32, 2, 4, 4), 50, Epilogue(residual=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,config,m,epi", CLUSTER_CASES)
+def test_gpu_cluster_split_equals_turnstile_and_float64(mode, config, m, epi):
+    """K-splits meeting in a cluster's distributed shared memory: bit for bit the turnstile's
+    output (the same partials, summed in split order), and the float64 reference."""
+    clustered = dataclasses.replace(config, cluster=True)
+    out, ref = _gpu_case(m, 1024, 4096, epi, seed=13, mode=mode, config=clustered)
+    turnstile, _ = _gpu_case(m, 1024, 4096, epi, seed=13, mode=mode, config=config)
+    assert torch.isfinite(out).all() and torch.equal(out, turnstile)
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 

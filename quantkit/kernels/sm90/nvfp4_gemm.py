@@ -244,6 +244,9 @@ class Config:
     # staged in shared memory of its own (no K-split, no PDL); and the order of those tiles.
     persistent: bool = False
     tokens_fastest: bool = False  # persistent tile order: token tiles fastest (default: weight row blocks)
+    # The ``splits`` CTAs of a tile form one thread-block cluster: split 0 adds the others' partials
+    # from their shared memory (distributed shared memory) instead of the global split-K turnstile.
+    cluster: bool = False
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
@@ -251,6 +254,9 @@ class Config:
             raise ValueError(f"unsupported config {self}")
         if (self.persistent and (self.splits > 1 or self.pdl)) or (self.tokens_fastest and not self.persistent):
             raise ValueError(f"{self}: a persistent config has no K-split and no PDL (tile order: persistent only)")
+        if self.cluster and not (2 <= self.splits <= 8 and self.stages >= (2 if w4a8 else 1) * self.warpgroups):
+            raise ValueError(f"{self}: a cluster split needs 2..8 splits, and its partial tile must fit the "
+                             "activation stages it reuses (W4A8: stages >= 2 x warpgroups)")
         need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self.bn, epilogue)
         if need > _SMEM or staging_tokens(self, epilogue, w4a8) < 8:
             raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode"
@@ -396,7 +402,7 @@ def dsl_ops():
     import types
 
     import cutlass.cute as cute
-    from cutlass import Float32, Uint32
+    from cutlass import Float32, Int32, Uint32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -413,6 +419,15 @@ def dsl_ops():
 
     def rotl(q, r: int):
         return q if r == 0 else (q << r) | (q >> (32 - r))
+
+    @dsl_user_op
+    def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
+        """The FP32 at shared address ``smem_addr`` of the cluster's CTA ``rank`` (``mapa`` +
+        ``ld.shared::cluster``)."""
+        return Float32(llvm.inline_asm(
+            T.f32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+            "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }", "=f,r,r",
+            has_side_effects=True, loc=loc, ip=ip))
 
     def decode_w4a16(q, scale_word, b: int):
         """The 4 bf16x2 A-fragment registers (pairs a0..a3, ``e2m1 · s_b · 2^-7``, exact) of one
@@ -432,8 +447,8 @@ def dsl_ops():
             return x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
         return x
 
-    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl, decode_w4a16=decode_w4a16,
-                                 activate=activate)
+    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl, ld_dsmem_f32=ld_dsmem_f32,
+                                 decode_w4a16=decode_w4a16, activate=activate)
 
 
 @functools.cache  # built on first use: importing cutlass is slow
@@ -561,9 +576,10 @@ def _kernel_class():
             n_tiles = grid[0] * grid[1]
             if cutlass.const_expr(cfg.persistent):
                 grid = (cutlass.min(n_tiles, self.num_sms), 1, 1)
+            cluster = {"cluster": (1, 1, cfg.splits)} if cfg.cluster else {}
             self.kernel(tma_x, tX, tiles_ptr, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
                         m, n_out, n_rows, k, n_bx, n_tiles, tiled_mma, x_smem).launch(
-                grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl,
+                grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl, **cluster,
                 # large accumulators: let ptxas use the whole register file for one CTA
                 min_blocks_per_mp=1 if cfg.bn >= 128 else 0)
 
@@ -828,7 +844,9 @@ def _kernel_class():
             flag = storage.flag.get_tensor(cute.make_layout(4))
             tid_c = wg * 128 + ct  # thread index among the CTA's consumers
             is_last = Int32(1)
-            if cutlass.const_expr(cfg.splits > 1):
+            if cutlass.const_expr(cfg.cluster):
+                is_last = self.cluster_sum(acc, storage, epi_bar, tid_c, bz)
+            elif cutlass.const_expr(cfg.splits > 1):
                 # Serial split-K (split_k.py): the last CTA of the tile to arrive sums the partials.
                 grid_x, grid_y, _ = cute.arch.grid_dim()
                 tile = by * grid_x + bx
@@ -842,6 +860,35 @@ def _kernel_class():
             if is_last != 0:
                 self.store(acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
                            m, n_out, n_rows)
+            if cutlass.const_expr(cfg.cluster):
+                cute.arch.cluster_wait()  # split 0 has read every peer's partial: their shared memory may go
+
+        @cute.jit
+        def cluster_sum(self, acc, storage, epi_bar, tid_c, bz):
+            """Cluster split-K: splits 1.. put their partial tile in their drained activation stages,
+            split 0 adds them to its own in split order (the turnstile's sums, bit for bit) and
+            returns 1 (the others 0). Every consumer thread arrives once more on the cluster
+            barrier, after the reads; :meth:`epilogue` waits on it before the CTA exits."""
+            if cutlass.const_expr(self.wgs == 2):
+                epi_bar.arrive_and_wait()  # both warpgroups' last WGMMAs have read the activation stages
+            threads = 128 * self.wgs
+            part_addr = storage.sX.data_ptr().toint()
+            part = cute.make_tensor(cute.recast_ptr(storage.sX.data_ptr(), dtype=Float32),
+                                    cute.make_layout((self.acc_n, threads), stride=(threads, 1)))
+            if bz != 0:
+                for i in cutlass.range_constexpr(self.acc_n):
+                    part[i, tid_c] = acc[i]
+            cute.arch.cluster_arrive()  # release: this CTA's partial is in its shared memory
+            cute.arch.cluster_wait()  # acquire: so are the peers'
+            if bz == 0:
+                for j in cutlass.range_constexpr(1, self.cfg.splits):
+                    for i in cutlass.range_constexpr(self.acc_n):
+                        acc[i] = acc[i] + ops.ld_dsmem_f32(part_addr + (i * threads + tid_c) * 4, j)
+            cute.arch.cluster_arrive()  # done reading the peers
+            first = Int32(0)
+            if bz == 0:
+                first = Int32(1)
+            return first
 
         @cute.jit
         def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,
@@ -1026,7 +1073,7 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         x_pad[:m] = x_arg
         x_arg = x_pad
     ws = counters = None
-    if config.splits > 1:
+    if config.splits > 1 and not config.cluster:
         tiles = (n_pad // (ROWS * config.warpgroups)) * (-(-m // config.bn))
         split_k.check_tiles(tiles)
         ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,

@@ -161,15 +161,6 @@ def _kernel_class():
             "cp.async.cg.shared.global.L2::128B [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
 
     @dsl_user_op
-    def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
-        """The FP32 at shared address ``smem_addr`` of the cluster's CTA ``rank`` (``mapa`` +
-        ``ld.shared::cluster``)."""
-        return Float32(llvm.inline_asm(
-            T.f32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-            "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }", "=f,r,r",
-            has_side_effects=True, loc=loc, ip=ip))
-
-    @dsl_user_op
     def mma_sync(shape_types: str, a, b0, b1, c, *, loc=None, ip=None):
         """``mma.sync.aligned.<shape_types>`` (e.g. ``m16n8k16.row.col.f32.bf16.bf16.f32``), FP32
         accumulate: A registers ``a`` (4), B ``b0, b1``, C ``c`` (4 FP32); returns D (4 FP32)."""
@@ -424,9 +415,9 @@ def _kernel_class():
                 for e in cutlass.range_constexpr(per_thread):
                     idx = tidx + e * self.threads
                     if self.owner(idx // self.mt) == bz:
-                        total = ld_dsmem_f32(fin_addr + idx * 4, 0)
+                        total = ops.ld_dsmem_f32(fin_addr + idx * 4, 0)
                         for j in cutlass.range_constexpr(1, cfg.splits):
-                            total = total + ld_dsmem_f32(fin_addr + idx * 4, j)
+                            total = total + ops.ld_dsmem_f32(fin_addr + idx * 4, j)
                         fsum[idx // self.mt, idx % self.mt] = total
                 cute.arch.cluster_arrive()  # done reading the peers (each waits for this before it exits)
                 cute.arch.sync_threads()
