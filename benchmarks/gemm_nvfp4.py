@@ -525,7 +525,7 @@ def run_pad_ab(shapes, fh):
     return rows
 
 
-CLUSTER_MS = (12, 16, 24, 32, 48, 64)
+CLUSTER_MS = (16, 24, 32, 64)
 
 
 def run_cluster_ab(shapes, fh):
