@@ -529,9 +529,10 @@ CLUSTER_MS = (16, 24, 32, 64)
 
 
 def run_cluster_ab(shapes, fh):
-    """W4A16 K-split grids: the rule's config (global split-K turnstile) against the same config
-    as thread-block clusters meeting in distributed shared memory, beside the default route and
-    bf16; 3 interleaved rounds, after a float64 check of the cluster config."""
+    """W4A16 K-split grids: the rule's config through the global split-K turnstile against the
+    same config as thread-block clusters meeting in distributed shared memory (and, where the rule
+    puts several CTAs on an SM, as clusters of CTAs that fill the SM with stages), beside the
+    default route and bf16; 3 interleaved rounds, after a float64 check of the cluster configs."""
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
@@ -541,15 +542,20 @@ def run_cluster_ab(shapes, fh):
                 rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
                 if rule.splits == 1:
                     continue
-                cluster = dataclasses.replace(rule, cluster=True)
-                unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m, cluster)
-                assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
+                configs = {"turnstile": dataclasses.replace(rule, cluster=False),
+                           "cluster": dataclasses.replace(rule, cluster=True)}
+                deepest = (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(rule.bn, rule.warpgroups, False)
+                if rule.stages * ng.stage_bytes(rule.bn, rule.warpgroups, False) <= ng._SMEM // 2:
+                    configs["cluster, one CTA per SM"] = dataclasses.replace(rule, cluster=True, stages=deepest)
+                for c in list(configs.values())[1:]:
+                    unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m, c)
+                    assert unwritten == 0 and err < 4e-3, (n, k, m, c, unwritten, err)
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                us = interleaved_us({
-                    "turnstile": [lambda p=p, x=x, c=rule: ng.nvfp4_w4a16(x, p, config=c) for p in preps],
-                    "cluster": [lambda p=p, x=x, c=cluster: ng.nvfp4_w4a16(x, p, config=c) for p in preps],
-                    "default route": [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps],
-                    "bf16": [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]})
+                fns = {label: [lambda p=p, x=x, c=c: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                       for label, c in configs.items()}
+                fns["default route"] = [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps]
+                fns["bf16"] = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]
+                us = interleaved_us(fns)
                 row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(rule), "us": us}
                 rows.append(row)
                 log("CLUSTER " + json.dumps(row), fh)

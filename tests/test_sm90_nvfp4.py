@@ -306,7 +306,7 @@ def test_persistent_configs_stage_the_output_beside_the_pipeline():
 def test_cluster_split_configs():
     """A cluster split has 2..8 splits, and split 1..'s partial tile (FP32, bn/2 per thread) must
     fit the activation stages it reuses: always in W4A16 (bf16 stages), in W4A8 from 2 stages per
-    warpgroup."""
+    warpgroup. The rule takes it where one split CTA fills an SM."""
     epi = Epilogue()
     with pytest.raises(ValueError, match="cluster split needs 2..8 splits"):
         ng.Config(64, 1, 8, 1, cluster=True).check(epi, w4a8=False)
@@ -314,6 +314,12 @@ def test_cluster_split_configs():
         ng.Config(64, 2, 3, 2, cluster=True).check(epi, w4a8=True)
     ng.Config(64, 2, 4, 2, cluster=True).check(epi, w4a8=True)
     ng.Config(64, 2, 3, 8, cluster=True).check(epi, w4a8=False)
+    # the rule: clusters where a split CTA fills its SM (64-token tiles in one wave), the turnstile
+    # where several split CTAs share one
+    rule = {(m, n, k): ng.pick_config(m, n, k, epi, False) for m, n, k in
+            ((64, 4096, 14336), (64, 4096, 4096), (64, 8192, 28672), (32, 8192, 8192), (16, 4096, 14336))}
+    assert [(c.splits, c.cluster) for c in rule.values()] == [(2, True), (2, True), (1, False), (4, False), (8, False)]
+    assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
 # ----------------------------------------------------------------------------- compile-only

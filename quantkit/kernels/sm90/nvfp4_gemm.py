@@ -326,7 +326,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
       single-wave cost when the grid fits one wave (ties: the larger tile).
     * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
-      0.5 (64) CTAs per SM and each split keeps at least 4 stages.
+      0.5 (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
+      (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
+      31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -357,6 +359,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     target = {8: 2 * num_sms, 16: 1.5 * num_sms, 32: 1.5 * num_sms, 64: num_sms // 2}.get(bn, 0)
     while ctas * splits < target and k_tiles // (2 * splits) >= 4:
         splits *= 2
+    cluster = False
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
     else:
@@ -364,6 +367,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
         room = _SMEM // (2 if two_per_sm else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
         stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
+        cluster = splits > 1 and not two_per_sm
     if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
         # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room; W4A8 visits the token
@@ -372,7 +376,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
             cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=w4a8)
             if fits(cfg, epilogue, w4a8):
                 return cfg
-    return Config(bn, wgs, stages, splits)
+    return Config(bn, wgs, stages, splits, cluster=cluster)
 
 
 # Time of one W4A8 prefill CTA per (tokens, warpgroups) tile, relative to a 256x128 (tokens x
