@@ -374,6 +374,8 @@ def test_vllm_loads_a_quantized_lm_head_from_modelopt(served):
     assert got.shape == expected.shape and (got - expected).norm() <= 1e-2 * expected.norm()
 
 
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                    reason="vLLM's CPU attention backend serves an FP8 KV cache only on AVX-512 or AMX hosts")
 @pytest.mark.parametrize("key", list(KV), ids=lambda key: f"{key.fmt}-{key.export}-{key.arch}")
 def test_vllm_loads_the_fp8_kv_cache_scales(key, served):
     """vLLM's KV-cache method takes every attention layer's ``k_scale`` / ``v_scale`` under the
