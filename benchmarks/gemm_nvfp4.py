@@ -525,29 +525,37 @@ def run_pad_ab(shapes, fh):
     return rows
 
 
-CLUSTER_MS = (16, 24, 32, 64)
+def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
+    """Configs that :func:`run_cluster_ab` times for one problem: a K-split rule config through
+    the global turnstile and as a cluster; an unsplit one-wave 64-token rule config (one
+    warpgroup) against two warpgroups with 2 K-splits that still fill one wave, through the
+    turnstile and as a cluster (all stages: one CTA per SM). Empty where neither applies."""
+    rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
+    if rule.splits > 1:
+        return {"turnstile": dataclasses.replace(rule, cluster=False), "cluster": dataclasses.replace(rule, cluster=True)}
+    rows = n_pad // ng.ROWS
+    if rule.bn != 64 or rule.warpgroups != 1 or rows > sms:
+        return {}
+    deepest = min(8, (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(64, 2, False))
+    split = ng.Config(64, 2, deepest, 2)
+    return {"rule": rule, "2 warpgroups, 2 splits": split,
+            "2 warpgroups, 2 splits, cluster": dataclasses.replace(split, cluster=True)}
 
 
-def run_cluster_ab(shapes, fh):
-    """W4A16 K-split grids: the rule's config through the global split-K turnstile against the
-    same config as thread-block clusters meeting in distributed shared memory (and, where the rule
-    puts several CTAs on an SM, as clusters of CTAs that fill the SM with stages), beside the
-    default route and bf16; 3 interleaved rounds, after a float64 check of the cluster configs."""
-    rows = []
+def run_cluster_ab(shapes, fh, ms):
+    """W4A16 at ``ms`` tokens: K-split grids through the global split-K turnstile against the same
+    grids as thread-block clusters meeting in distributed shared memory (:func:`cluster_contenders`),
+    beside the default route and bf16; 3 interleaved rounds, after a float64 check of each config."""
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
     for name in shapes:
         for n, k in SHAPES[name]:
             _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
-            for m in CLUSTER_MS:
-                rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
-                if rule.splits == 1:
+            for m in ms:
+                configs = cluster_contenders(m, n_pad, k, sms)
+                if not configs:
                     continue
-                configs = {"turnstile": dataclasses.replace(rule, cluster=False),
-                           "cluster": dataclasses.replace(rule, cluster=True)}
-                deepest = (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(rule.bn, rule.warpgroups, False)
-                if rule.stages * ng.stage_bytes(rule.bn, rule.warpgroups, False) <= ng._SMEM // 2:
-                    configs["cluster, one CTA per SM"] = dataclasses.replace(rule, cluster=True, stages=deepest)
-                for c in list(configs.values())[1:]:
+                for c in configs.values():
                     unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m, c)
                     assert unwritten == 0 and err < 4e-3, (n, k, m, c, unwritten, err)
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -555,8 +563,8 @@ def run_cluster_ab(shapes, fh):
                        for label, c in configs.items()}
                 fns["default route"] = [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps]
                 fns["bf16"] = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]
-                us = interleaved_us(fns)
-                row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(rule), "us": us}
+                row = {"shape": f"{name} {n}x{k}", "m": m, "configs": {lb: str(c) for lb, c in configs.items()},
+                       "us": interleaved_us(fns)}
                 rows.append(row)
                 log("CLUSTER " + json.dumps(row), fh)
             del preps, bf16s
@@ -722,7 +730,7 @@ def main():
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     ap.add_argument("--cluster-ab", action="store_true",
-                    help="only: K-split grids through the turnstile vs as clusters (CLUSTER_MS)")
+                    help="only: K-split grids through the turnstile vs as clusters, at --ms")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
@@ -744,7 +752,7 @@ def main():
         return
     if args.cluster_ab:
         with open(out / "cluster.log", "w") as fh:
-            (out / "cluster.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh), indent=1))
+            (out / "cluster.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:
