@@ -663,6 +663,7 @@ CLUSTER_CASES = [  # (mode, turnstile config, M, epilogue): several row blocks p
     ("w4a16", ng.Config(64, 1, 5, 4), 61, Epilogue(bias=True, activation="silu", residual=True)),
     ("w4a16", ng.Config(16, 2, 4, 4, pdl=True), 40, Epilogue(activation="swiglu", bias=True, residual=True)),  # 3 token tiles
     ("w4a16", ng.Config(32, 1, 8, 8), 32, Epilogue(activation="gelu_tanh")),
+    ("w4a16", ng.Config(64, 2, 8, 2), 64, Epilogue(activation="swiglu", bias=True)),
     ("w4a8", ng.Config(64, 1, 4, 2), 64, Epilogue(bias=True)),
     ("w4a8", ng.Config(32, 2, 4, 4), 50, Epilogue(residual=True)),
 ]
