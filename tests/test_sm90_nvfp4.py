@@ -318,7 +318,12 @@ def test_cluster_split_configs():
     # where several split CTAs share one
     rule = {(m, n, k): ng.pick_config(m, n, k, epi, False) for m, n, k in
             ((64, 4096, 14336), (64, 4096, 4096), (64, 8192, 28672), (32, 8192, 8192), (16, 4096, 14336))}
-    assert [(c.splits, c.cluster) for c in rule.values()] == [(2, True), (2, True), (1, False), (4, False), (8, False)]
+    assert [(c.warpgroups, c.splits, c.cluster) for c in rule.values()] == [
+        (1, 2, True), (1, 2, True), (2, 2, True), (2, 4, False), (2, 8, False)]
+    # one-wave 64-token grids of one-warpgroup CTAs: two warpgroups with K in halves where each
+    # half keeps >= 24 k-tiles (not 6144x4096: 16), W4A16 only
+    assert ng.pick_config(64, 6144, 4096, epi, False) == ng.Config(64, 1, 8, 1)
+    assert ng.pick_config(64, 8192, 8192, epi, True) == ng.Config(64, 1, 8, 1)
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
