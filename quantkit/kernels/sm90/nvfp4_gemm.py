@@ -32,7 +32,9 @@ WGMMA, and wait only for the WGMMA that last read the registers they overwrite n
 but the k-loop branches between WGMMAs (ptxas would serialize them). Split-K across CTAs
 (``grid.z``) for decode grids: each CTA writes its FP32 partial tile, the last to arrive
 (per-tile counter, reset to 0 by it) loads all partials at once and sums them in split order
-(deterministic), then runs the epilogue: alpha, bias and activation (incl. interleaved SwiGLU)
+(deterministic); where one split CTA fills its SM, the splits launch as one thread-block cluster
+instead (``Config.cluster``) and split 0 adds its peers' partials from their shared memory. Then
+the epilogue: alpha, bias and activation (incl. interleaved SwiGLU)
 in registers, then the tile goes through shared memory (as bf16 outputs, or FP32 where the
 residual follows), transposed to the output's row order, so each thread adds the residual to 8
 consecutive outputs and writes them with one 16-byte store. Large prefill grids run persistent
