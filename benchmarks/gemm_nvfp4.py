@@ -527,12 +527,16 @@ def run_pad_ab(shapes, fh):
 
 def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
     """Configs that :func:`run_cluster_ab` times for one problem: a K-split rule config through
-    the global turnstile and as a cluster; an unsplit one-wave 64-token rule config (one
+    the global turnstile and as a cluster (a two-warpgroup 64-token one also against one
+    unsplit warpgroup, the rule before session 31); an unsplit one-wave 64-token rule config (one
     warpgroup) against two warpgroups with 2 K-splits that still fill one wave, through the
     turnstile and as a cluster (all stages: one CTA per SM). Empty where neither applies."""
     rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
     if rule.splits > 1:
-        return {"turnstile": dataclasses.replace(rule, cluster=False), "cluster": dataclasses.replace(rule, cluster=True)}
+        configs = {"turnstile": dataclasses.replace(rule, cluster=False), "cluster": dataclasses.replace(rule, cluster=True)}
+        if (rule.bn, rule.warpgroups) == (64, 2):
+            configs["1 warpgroup, unsplit"] = ng.Config(64, 1, 8, 1)
+        return configs
     rows = n_pad // ng.ROWS
     if rule.bn != 64 or rule.warpgroups != 1 or rows > sms:
         return {}
