@@ -528,7 +528,8 @@ def run_pad_ab(shapes, fh):
 def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
     """Configs that :func:`run_cluster_ab` times for one problem: a K-split rule config through
     the global turnstile and as a cluster (a two-warpgroup 64-token one also against one
-    unsplit warpgroup, the rule before session 31); an unsplit one-wave 64-token rule config (one
+    unsplit warpgroup, the rule before session 31; a 16-32-token one also as a cluster of
+    SM-filling CTAs with as many splits as keep one wave); an unsplit one-wave 64-token rule config (one
     warpgroup) against two warpgroups with 2 K-splits that still fill one wave, through the
     turnstile and as a cluster (all stages: one CTA per SM). Empty where neither applies."""
     rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
@@ -536,6 +537,12 @@ def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Con
         configs = {"turnstile": dataclasses.replace(rule, cluster=False), "cluster": dataclasses.replace(rule, cluster=True)}
         if (rule.bn, rule.warpgroups) == (64, 2):
             configs["1 warpgroup, unsplit"] = ng.Config(64, 1, 8, 1)
+        ctas = n_pad // (ng.ROWS * rule.warpgroups) * -(-m // rule.bn)
+        splits = max([s for s in (2, 4, 8) if ctas * s <= sms and k // ng.BK // s >= 4], default=0)
+        if rule.bn <= 32 and splits:  # the same tile as a cluster of SM-filling CTAs in one wave
+            deepest = (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(rule.bn, rule.warpgroups, False)
+            configs[f"cluster, {splits} splits, one wave"] = dataclasses.replace(rule, stages=deepest, splits=splits,
+                                                                                 cluster=True)
         return configs
     rows = n_pad // ng.ROWS
     if rule.bn != 64 or rule.warpgroups != 1 or rows > sms:
