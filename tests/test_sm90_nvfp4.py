@@ -324,6 +324,13 @@ def test_cluster_split_configs():
     # half keeps >= 24 k-tiles (not 6144x4096: 16), W4A16 only
     assert ng.pick_config(64, 6144, 4096, epi, False) == ng.Config(64, 1, 8, 1)
     assert ng.pick_config(64, 8192, 8192, epi, True) == ng.Config(64, 1, 8, 1)
+    # 16-32 tokens: where the turnstile would run 4-k-tile splits, 2 splits of SM-filling clusters
+    # if they fill 2/3 to all of the SMs (6144x4096: 96 CTAs), else the turnstile (4096x4096: 64 CTAs)
+    for m in (16, 24, 32):
+        short = ng.pick_config(m, 6144, 4096, epi, False)
+        assert (short.splits, short.cluster, short.warpgroups) == (2, True, 2)
+        assert short.stages * ng.stage_bytes(short.bn, 2, False) > ng._SMEM // 2  # one CTA per SM
+        assert not ng.pick_config(m, 4096, 4096, epi, False).cluster and not ng.pick_config(m, 6144, 4096, epi, True).cluster
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
@@ -683,6 +690,19 @@ def test_gpu_cluster_split_equals_turnstile_and_float64(mode, config, m, epi):
     out, ref = _gpu_case(m, 1024, 4096, epi, seed=13, mode=mode, config=clustered)
     turnstile, _ = _gpu_case(m, 1024, 4096, epi, seed=13, mode=mode, config=config)
     assert torch.isfinite(out).all() and torch.equal(out, turnstile)
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [12, 17, 32])
+def test_gpu_short_split_clusters_match_float64(m):
+    """A 6144x4096 weight at 12-32 tokens: the rule's 2-split cluster of SM-filling CTAs (13-17
+    stages), through the default route where it takes the WGMMA kernel (17, 32 tokens)."""
+    config = ng.pick_config(m, 6144, 4096, Epilogue(bias=True, residual=True), False)
+    assert config.cluster and config.splits == 2
+    out, ref = _gpu_case(m, 6144, 4096, Epilogue(bias=True, residual=True), seed=m, mode="w4a16",
+                         config=config if m <= 16 else None)
+    assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
