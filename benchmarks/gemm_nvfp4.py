@@ -540,15 +540,13 @@ def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Con
         ctas = n_pad // (ng.ROWS * rule.warpgroups) * -(-m // rule.bn)
         splits = max([s for s in (2, 4, 8) if ctas * s <= sms and k // ng.BK // s >= 4], default=0)
         if rule.bn <= 32 and splits:  # the same tile as a cluster of SM-filling CTAs in one wave
-            deepest = (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(rule.bn, rule.warpgroups, False)
-            configs[f"cluster, {splits} splits, one wave"] = dataclasses.replace(rule, stages=deepest, splits=splits,
-                                                                                 cluster=True)
+            configs[f"cluster, {splits} splits, one wave"] = dataclasses.replace(
+                rule, stages=ng.max_stages(rule.bn, rule.warpgroups, False), splits=splits, cluster=True)
         return configs
     rows = n_pad // ng.ROWS
     if rule.bn != 64 or rule.warpgroups != 1 or rows > sms:
         return {}
-    deepest = min(8, (ng._SMEM - ng._SMEM_RESERVE) // ng.stage_bytes(64, 2, False))
-    split = ng.Config(64, 2, deepest, 2)
+    split = ng.Config(64, 2, min(8, ng.max_stages(64, 2, False)), 2)
     return {"rule": rule, "2 warpgroups, 2 splits": split,
             "2 warpgroups, 2 splits, cluster": dataclasses.replace(split, cluster=True)}
 
@@ -600,9 +598,8 @@ def candidates(m, n_pad, k, w4a8):
     out = {base}
     for bn in bns:
         for wgs in (1, 2):
-            stage_bytes = ng.stage_bytes(bn, wgs, w4a8)
-            deepest = min(8, (ng._SMEM - ng._SMEM_RESERVE) // stage_bytes)
-            two_per_sm = (ng._SMEM // 2 - ng._SMEM_RESERVE) // stage_bytes
+            deepest = min(8, ng.max_stages(bn, wgs, w4a8))
+            two_per_sm = ng.max_stages(bn, wgs, w4a8, ctas_per_sm=2)
             for stages in {deepest, 4} if bn <= 16 else ({deepest, two_per_sm} if bn == 64 else {deepest}):
                 for splits in split_opts:
                     if stages >= 3 and (k // ng.BK) // splits >= 4:

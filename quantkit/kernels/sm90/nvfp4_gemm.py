@@ -291,6 +291,11 @@ def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
+def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1) -> int:
+    """The most pipeline stages that leave room for ``ctas_per_sm`` such CTAs on an SM."""
+    return (_SMEM // ctas_per_sm - _SMEM_RESERVE) // stage_bytes(bn, warpgroups, w4a8)
+
+
 def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
     """Shared memory in which SwiGLU's up half (warpgroup 1) meets its gate half: FP32 ``[bn/2, 128]``."""
     return 128 * (bn // 2) * 4 if epilogue.activation == "swiglu" else 0
@@ -373,7 +378,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         one_wave = 2 * ctas <= num_sms <= 3 * ctas and k_tiles // 2 >= 16
         if bn >= 16 and not w4a8 and k_tiles // splits <= 4 and one_wave:
             # K-split runs of <= 4 k-tiles: 2 long splits of SM-filling clusters, one wave
-            stages, splits, cluster = (_SMEM - _SMEM_RESERVE) // stage_bytes(bn, wgs, w4a8), 2, True
+            stages, splits, cluster = max_stages(bn, wgs, w4a8), 2, True
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
