@@ -409,6 +409,36 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert quant.count("ld.global.v4") == 2 * held + 4 and "ld.local" not in quant, held
 
 
+def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
+    """Every cluster config the rule picks for the Llama-3 8B/70B shapes at 16-64 tokens (8-17
+    stages) compiles for sm_90a to WGMMA with cluster barriers and no turnstile."""
+    pytest.importorskip("cutlass")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
+              (57344, 8192), (8192, 28672)]
+    configs = sorted({c for n, k in shapes for m in (16, 24, 32, 48, 64)
+                      for c in [ng.pick_config(m, n, k, Epilogue(), False)] if c.cluster}, key=str)
+    assert {(c.bn, c.warpgroups, c.stages) for c in configs} == {(16, 2, 17), (32, 2, 13), (64, 1, 8), (64, 2, 8)}
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        from quantkit.kernels.epilogue import Epilogue
+        from quantkit.kernels.sm90 import nvfp4_gemm as ng
+        for i, fields in enumerate(json.loads(sys.argv[1])):
+            d = os.path.join({str(tmp_path)!r}, str(i))
+            os.makedirs(d)
+            ng.compile_gemm(ng.Config(**fields), Epilogue(), False, arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([dataclasses.asdict(c) for c in configs])],
+                          capture_output=True, text=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i, c in enumerate(configs):
+        d = tmp_path / str(i)
+        text = "".join(open(d / f).read() for f in os.listdir(d) if f.endswith(".ptx"))
+        assert f"wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.bf16.bf16" in text
+        assert "barrier.cluster.arrive" in text and "atom.global.acq_rel.add" not in text and "ld.local" not in text
+
+
 GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
     (4, 1, 4, 1, 8, False, False, Epilogue()),
     (8, 1, 2, 3, 1, True, False, Epilogue(bias=True, activation="gelu_tanh", residual=True)),
