@@ -551,17 +551,33 @@ def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Con
             "2 warpgroups, 2 splits, cluster": dataclasses.replace(split, cluster=True)}
 
 
-def run_cluster_ab(shapes, fh, ms):
-    """W4A16 at ``ms`` tokens: K-split grids through the global split-K turnstile against the same
-    grids as thread-block clusters meeting in distributed shared memory (:func:`cluster_contenders`),
-    beside the default route and bf16; 3 interleaved rounds, after a float64 check of each config."""
+def short_tile_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
+    """Configs that ``--short-ab`` times for a 9-32-token problem: the rule's; its token tile in
+    one-warpgroup CTAs, K-split into as many clusters as keep one wave (every stage: one CTA per
+    SM, the structure that won at 64 tokens); and the 64-token rule's config (x's own rows).
+    Empty where one-warpgroup CTAs of the tile do not fit one wave."""
+    rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
+    ctas = n_pad // ng.ROWS * -(-m // rule.bn)
+    splits = max([s for s in (1, 2, 4, 8) if ctas * s <= sms and k // ng.BK // s >= 4], default=0)
+    if rule.bn > 32 or not splits:
+        return {}
+    one_wg = ng.Config(rule.bn, 1, min(16, ng.max_stages(rule.bn, 1, False)), splits, cluster=splits > 1)
+    return {"rule": rule, f"1 warpgroup, {splits} splits, one wave": one_wg,
+            "64-token rule": ng.pick_config(64, n_pad, k, Epilogue(), False)}
+
+
+def run_cluster_ab(shapes, fh, ms, contenders=cluster_contenders):
+    """W4A16 at ``ms`` tokens: the configs ``contenders`` gives each problem (by default K-split
+    grids through the global split-K turnstile against the same grids as thread-block clusters
+    meeting in distributed shared memory, :func:`cluster_contenders`), beside the default route
+    and bf16; 3 interleaved rounds, after a float64 check of each config."""
     rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
     for name in shapes:
         for n, k in SHAPES[name]:
             _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in ms:
-                configs = cluster_contenders(m, n_pad, k, sms)
+                configs = contenders(m, n_pad, k, sms)
                 if not configs:
                     continue
                 for c in configs.values():
@@ -739,6 +755,8 @@ def main():
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
     ap.add_argument("--cluster-ab", action="store_true",
                     help="only: K-split grids through the turnstile vs as clusters, at --ms")
+    ap.add_argument("--short-ab", action="store_true",
+                    help="only: 9-32-token rule configs vs one-warpgroup one-wave clusters and 64-token tiles, at --ms")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     out = Path(args.out)
@@ -761,6 +779,10 @@ def main():
     if args.cluster_ab:
         with open(out / "cluster.log", "w") as fh:
             (out / "cluster.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms), indent=1))
+        return
+    if args.short_ab:
+        with open(out / "short.log", "w") as fh:
+            (out / "short.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, short_tile_contenders), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:
