@@ -48,6 +48,7 @@ SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     # Llama-3.1-8B as transformers runs it (no fused q/k/v or gate/up): k/v, gate/up, q/o, down
     "8b-hf": [(1024, 4096), (14336, 4096), (4096, 4096), (4096, 14336)],
     "405b": [(18432, 16384), (16384, 16384), (106496, 16384), (16384, 53248)],
+    "qwen2.5-7b": [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)],
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 W4A8_MS = [64, 256, 1024, 2048, 4096]
@@ -727,7 +728,7 @@ def run_floors(fh) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--shapes", nargs="+", default=["8b", "70b"])
+    ap.add_argument("--shapes", nargs="+", default=["8b", "70b"], help=f"{', '.join(SHAPES)} or NxK")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--quick", action="store_true", help="skip the dequantize-then-matmul baseline")
@@ -759,6 +760,7 @@ def main():
                     help="only: 9-32-token rule configs vs one-warpgroup one-wave clusters and 64-token tiles, at --ms")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
+    SHAPES.update({s: [tuple(int(d) for d in s.split("x"))] for s in args.shapes if s not in SHAPES})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.check_only:
