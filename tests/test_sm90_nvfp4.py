@@ -264,8 +264,8 @@ def test_w4a8_tile_rule_reproduces_the_h200_sweep():
 
 def test_configs_fit_shared_memory():
     """Every picked config fits the 227 KiB CTA limit; a W4A8 config with a bf16 (W4A16) tile does not."""
-    for m in (1, 5, 16, 33, 64, 100, 257, 4096):
-        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)):
+    for m in (1, 5, 16, 24, 32, 33, 64, 100, 257, 4096):
+        for n, k in ((4096, 4096), (6144, 4096), (3072, 4096), (4608, 3584), (28672, 4096), (4096, 14336), (57344, 8192)):
             for fp8_acts in (False, True):
                 for epi in (Epilogue(), Epilogue(activation="swiglu")):
                     ng.pick_config(m, n, k, epi, fp8_acts).check(epi, fp8_acts)
@@ -324,13 +324,24 @@ def test_cluster_split_configs():
     # half keeps >= 24 k-tiles (not 6144x4096: 16), W4A16 only
     assert ng.pick_config(64, 6144, 4096, epi, False) == ng.Config(64, 1, 8, 1)
     assert ng.pick_config(64, 8192, 8192, epi, True) == ng.Config(64, 1, 8, 1)
-    # 16-32 tokens: where the turnstile would run 4-k-tile splits, 2 splits of SM-filling clusters
-    # if they fill 2/3 to all of the SMs (6144x4096: 96 CTAs), else the turnstile (4096x4096: 64 CTAs)
+    # 16-32 tokens where the turnstile would run <= 7-k-tile splits: one wave of SM-filling
+    # one-warpgroup CTAs (SwiGLU: two), unsplit or 2 cluster splits of >= 14 k-tiles, if they fill
+    # half the SMs or more; else the turnstile (2048x4096: 64 CTAs; 8192x1024: 8-k-tile CTAs)
+    swiglu = Epilogue(activation="swiglu")
     for m in (16, 24, 32):
-        short = ng.pick_config(m, 6144, 4096, epi, False)
-        assert (short.splits, short.cluster, short.warpgroups) == (2, True, 2)
-        assert short.stages * ng.stage_bytes(short.bn, 2, False) > ng._SMEM // 2  # one CTA per SM
-        assert not ng.pick_config(m, 4096, 4096, epi, False).cluster and not ng.pick_config(m, 6144, 4096, epi, True).cluster
+        short = {(n, k, e.activation): ng.pick_config(m, n, k, e, False) for n, k in
+                 ((6144, 4096), (5120, 4096), (4096, 4096), (3072, 4096), (4608, 3584), (3584, 3584), (2048, 4096),
+                  (8192, 1024), (4096, 14336)) for e in (epi, swiglu)}
+        assert [(c.warpgroups, c.splits, c.cluster) for (*_, act), c in short.items() if act == "identity"] == [
+            (1, 1, False), (1, 1, False), (1, 2, True), (1, 2, True), (1, 1, False), (1, 2, True), (2, 8, False),
+            (2, 2, False), (2, 8, False)]
+        assert [(c.splits, c.cluster) for (*_, act), c in short.items() if act == "swiglu"][:3] == [
+            (2, True), (2, True), (8, False)]  # two warpgroups: 4096x4096's 64 CTAs fill under half the SMs
+        for (n, k, act), c in short.items():
+            c.check(swiglu if act == "swiglu" else epi, False)
+            if c.stages > 8:  # one CTA per SM
+                assert c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2
+        assert not ng.pick_config(m, 4096, 4096, epi, True).cluster  # W4A8 keeps the turnstile
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
@@ -410,32 +421,39 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
 
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
-    """Every cluster config the rule picks for the Llama-3 8B/70B shapes at 16-64 tokens (8-17
-    stages) compiles for sm_90a to WGMMA with cluster barriers and no turnstile."""
+    """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes at
+    16-64 tokens (8-16 stages; SwiGLU's with its exchange) compiles for sm_90a to WGMMA, with
+    cluster barriers and no turnstile where it is a cluster."""
     pytest.importorskip("cutlass")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
               (57344, 8192), (8192, 28672)]
-    configs = sorted({c for n, k in shapes for m in (16, 24, 32, 48, 64)
-                      for c in [ng.pick_config(m, n, k, Epilogue(), False)] if c.cluster}, key=str)
-    assert {(c.bn, c.warpgroups, c.stages) for c in configs} == {(16, 2, 17), (32, 2, 13), (64, 1, 8), (64, 2, 8)}
+    cases = sorted({(c, e.activation) for n, k in shapes for m in (16, 24, 32, 48, 64)
+                    for e in (Epilogue(), Epilogue(activation="swiglu"))
+                    for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
+    assert {(c.bn, c.warpgroups, c.stages, act) for c, act in cases} == {
+        (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 12, "swiglu"),
+        (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu")}
+    configs = [c for c, _ in cases]
     script = textwrap.dedent(f"""
         import json, os, sys
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         from quantkit.kernels.epilogue import Epilogue
         from quantkit.kernels.sm90 import nvfp4_gemm as ng
-        for i, fields in enumerate(json.loads(sys.argv[1])):
+        for i, (fields, act) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            ng.compile_gemm(ng.Config(**fields), Epilogue(), False, arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
+            ng.compile_gemm(ng.Config(**fields), Epilogue(activation=act), False, arch="sm_90a",
+                            options=f"--keep-ptx --dump-dir {{d}}")
     """)
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps([dataclasses.asdict(c) for c in configs])],
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([(dataclasses.asdict(c), a) for c, a in cases])],
                           capture_output=True, text=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), check=False,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for i, c in enumerate(configs):
         text = "".join(p.read_text() for p in (tmp_path / str(i)).glob("*.ptx"))
         assert f"wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.bf16.bf16" in text
-        assert "barrier.cluster.arrive" in text and "atom.global.acq_rel.add" not in text and "ld.local" not in text
+        assert ("barrier.cluster.arrive" in text) == c.cluster and "ld.local" not in text
+        assert "atom.global.acq_rel.add" not in text
 
 
 GEMV_COMPILE_CASES = [  # (warps, tiles, stages, splits, tokens, pdl, cluster, epilogue)
@@ -722,15 +740,24 @@ def test_gpu_cluster_split_equals_turnstile_and_float64(mode, config, m, epi):
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
+SHORT_SPLIT_CASES = [  # (M, N, K, epilogue): the rule's one-wave short-split configs, 12-32 tokens
+    (12, 4096, 4096, Epilogue(bias=True, residual=True)),  # 2-split cluster, explicit (the GEMV route takes 12)
+    (17, 6144, 4096, Epilogue(bias=True, residual=True)),  # unsplit, 16 stages
+    (32, 4096, 4096, Epilogue(activation="silu")),  # 2-split cluster
+    (24, 3584, 3584, Epilogue(bias=True)),  # 2 splits of 14 k-tiles
+    (32, 6144, 4096, Epilogue(activation="swiglu", bias=True)),  # two warpgroups, 2-split cluster, 12 stages
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [12, 17, 32])
-def test_gpu_short_split_clusters_match_float64(m):
-    """A 6144x4096 weight at 12-32 tokens: the rule's 2-split cluster of SM-filling CTAs (13-17
-    stages), through the default route where it takes the WGMMA kernel (17, 32 tokens)."""
-    config = ng.pick_config(m, 6144, 4096, Epilogue(bias=True, residual=True), False)
-    assert config.cluster and config.splits == 2
-    out, ref = _gpu_case(m, 6144, 4096, Epilogue(bias=True, residual=True), seed=m, mode="w4a16",
-                         config=config if m <= 16 else None)
+@pytest.mark.parametrize("m,n,k,epi", SHORT_SPLIT_CASES)
+def test_gpu_short_split_one_wave_matches_float64(m, n, k, epi):
+    """16-32-token grids the turnstile would split into <= 7-k-tile runs: the rule's one wave of
+    SM-filling CTAs (unsplit or a 2-split cluster, 12-16 stages) matches float64, through the
+    default route where it takes the WGMMA kernel (17-32 tokens)."""
+    config = ng.pick_config(m, n, k, epi, False)
+    assert config.stages >= 12 and config.splits <= 2 and config.cluster == (config.splits == 2)
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16", config=config if m <= 16 else None)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 

@@ -291,9 +291,11 @@ def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
-def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1) -> int:
-    """The most pipeline stages that leave room for ``ctas_per_sm`` such CTAs on an SM."""
-    return (_SMEM // ctas_per_sm - _SMEM_RESERVE) // stage_bytes(bn, warpgroups, w4a8)
+def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1, epilogue: Epilogue | None = None) -> int:
+    """The most pipeline stages that leave room for ``ctas_per_sm`` such CTAs on an SM (and for
+    ``epilogue``'s SwiGLU exchange, if given)."""
+    exchange = exchange_bytes(bn, epilogue) if epilogue is not None else 0
+    return (_SMEM // ctas_per_sm - _SMEM_RESERVE - exchange) // stage_bytes(bn, warpgroups, w4a8)
 
 
 def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
@@ -337,9 +339,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       0.5 (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
       (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
       31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower). W4A16
-      16-32-token grids whose splits would run <= 4 k-tiles take instead 2 splits as clusters of
-      SM-filling CTAs where those fill 2/3 to all of the SMs in one wave (session 31, 6144x4096:
-      17-40 % faster; on the other Llama shapes, which this leaves out, 8 % faster to 77 % slower).
+      16-32-token grids whose splits would run <= 7 k-tiles take instead one wave of SM-filling
+      one-warpgroup CTAs (SwiGLU: two), unsplit or as 2-split clusters of >= 14 k-tiles, where
+      those fill at least half the SMs (H100 A/B, session 32, 3072-6144 x 3584-4096 weights at
+      24-32 tokens: 2-39 % faster; 4-split or 56-224-k-tile one-warpgroup grids were slower).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -375,10 +378,15 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     cluster = False
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
-        one_wave = 2 * ctas <= num_sms <= 3 * ctas and k_tiles // 2 >= 16
-        if bn >= 16 and not w4a8 and k_tiles // splits <= 4 and one_wave:
-            # K-split runs of <= 4 k-tiles: 2 long splits of SM-filling clusters, one wave
-            stages, splits, cluster = max_stages(bn, wgs, w4a8), 2, True
+        if bn >= 16 and not w4a8 and k_tiles // splits <= 7:
+            # K-split runs of <= 7 k-tiles: one wave of SM-filling CTAs (one warpgroup; SwiGLU two)
+            # with K in at most 2 cluster splits of >= 14 k-tiles, where they fill half the SMs or more
+            one = 2 if swiglu else 1
+            one_ctas = (rows // one) * m_tiles
+            one_splits = 2 if 2 * one_ctas <= num_sms else 1
+            if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
+                wgs, splits, cluster = one, one_splits, one_splits > 1
+                stages = min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
