@@ -532,19 +532,13 @@ def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Con
     unsplit warpgroup, the rule before session 31; a 16-32-token one also as a cluster of
     SM-filling CTAs with as many splits as keep one wave); an unsplit one-wave 64-token rule config (one
     warpgroup) against two warpgroups with 2 K-splits that still fill one wave, through the
-    turnstile and as a cluster (all stages: one CTA per SM); and a split grid also at the depth
-    that leaves room for just the CTAs per SM one wave needs, both ways. Empty where neither applies."""
+    turnstile and as a cluster (all stages: one CTA per SM). Empty where neither applies."""
     rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
     if rule.splits > 1:
         configs = {"turnstile": dataclasses.replace(rule, cluster=False), "cluster": dataclasses.replace(rule, cluster=True)}
         if (rule.bn, rule.warpgroups) == (64, 2):
             configs["1 warpgroup, unsplit"] = ng.Config(64, 1, 8, 1)
         ctas = n_pad // (ng.ROWS * rule.warpgroups) * -(-m // rule.bn)
-        per_sm = -(-ctas * rule.splits // sms)  # the fewest CTAs per SM that hold the grid in one wave
-        deep = min(16, ng.max_stages(rule.bn, rule.warpgroups, False, per_sm))
-        if deep != rule.stages:  # stages that leave room for no more CTAs per SM than that
-            configs[f"turnstile, {deep} stages"] = dataclasses.replace(rule, stages=deep, cluster=False)
-            configs[f"cluster, {deep} stages"] = dataclasses.replace(rule, stages=deep, cluster=True)
         splits = max([s for s in (2, 4, 8) if ctas * s <= sms and k // ng.BK // s >= 4], default=0)
         if rule.bn <= 32 and splits:  # the same tile as a cluster of SM-filling CTAs in one wave
             configs[f"cluster, {splits} splits, one wave"] = dataclasses.replace(
