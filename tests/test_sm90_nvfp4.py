@@ -317,7 +317,7 @@ def test_cluster_split_configs():
     # the rule: clusters where a split CTA fills its SM (64-token tiles in one wave), the turnstile
     # where several split CTAs share one
     rule = {(m, n, k): ng.pick_config(m, n, k, epi, False) for m, n, k in
-            ((64, 4096, 14336), (64, 4096, 4096), (64, 8192, 28672), (32, 8192, 8192), (16, 4096, 14336))}
+            ((64, 4096, 14336), (64, 4096, 4096), (64, 8192, 28672), (16, 8192, 8192), (16, 4096, 14336))}
     assert [(c.warpgroups, c.splits, c.cluster) for c in rule.values()] == [
         (1, 2, True), (1, 2, True), (2, 2, True), (2, 4, False), (2, 8, False)]
     # one-wave 64-token grids of one-warpgroup CTAs: two warpgroups with K in halves where each
@@ -342,6 +342,15 @@ def test_cluster_split_configs():
             if c.stages > 8:  # one CTA per SM
                 assert c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2
         assert not ng.pick_config(m, 4096, 4096, epi, True).cluster  # W4A8 keeps the turnstile
+    # 17-32 tokens where the turnstile would run 8-16-k-tile splits on 2/3 to one wave of
+    # two-warpgroup CTAs per split: 2 splits of SM-filling clusters; not 56-k-tile splits (8192x28672)
+    # nor 4096x14336's 32 CTAs per split
+    for n, k in ((8192, 8192), (5632, 8192), (7168, 5120), (8192, 28672), (4096, 14336)):
+        for e in (epi, swiglu):
+            c = ng.pick_config(32, n, k, e, False)
+            c.check(e, False)
+            assert (c.warpgroups, c.splits, c.cluster) == ((2, 2, True) if k <= 8192 else (2, c.splits, False))
+            assert not ng.pick_config(16, n, k, e, False).cluster
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
@@ -432,7 +441,7 @@ def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
                     for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
     assert {(c.bn, c.warpgroups, c.stages, act) for c, act in cases} == {
         (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 12, "swiglu"),
-        (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu")}
+        (32, 2, 13, "identity"), (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu")}
     configs = [c for c, _ in cases]
     script = textwrap.dedent(f"""
         import json, os, sys
@@ -746,15 +755,17 @@ SHORT_SPLIT_CASES = [  # (M, N, K, epilogue): the rule's one-wave short-split co
     (32, 4096, 4096, Epilogue(activation="silu")),  # 2-split cluster
     (24, 3584, 3584, Epilogue(bias=True)),  # 2 splits of 14 k-tiles
     (32, 6144, 4096, Epilogue(activation="swiglu", bias=True)),  # two warpgroups, 2-split cluster, 12 stages
+    (24, 5632, 8192, Epilogue(bias=True, residual=True)),  # 8-16-k-tile turnstile runs: two warpgroups, 2-split cluster
+    (32, 8192, 8192, Epilogue(activation="swiglu")),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,epi", SHORT_SPLIT_CASES)
 def test_gpu_short_split_one_wave_matches_float64(m, n, k, epi):
-    """16-32-token grids the turnstile would split into <= 7-k-tile runs: the rule's one wave of
-    SM-filling CTAs (unsplit or a 2-split cluster, 12-16 stages) matches float64, through the
-    default route where it takes the WGMMA kernel (17-32 tokens)."""
+    """16-32-token grids the turnstile would split into <= 7-k-tile runs (17-32 tokens: <= 16 on
+    wide weights): the rule's one wave of SM-filling CTAs (unsplit or a 2-split cluster, 12-16
+    stages) matches float64, through the default route where it takes the WGMMA kernel."""
     config = ng.pick_config(m, n, k, epi, False)
     assert config.stages >= 12 and config.splits <= 2 and config.cluster == (config.splits == 2)
     out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16", config=config if m <= 16 else None)

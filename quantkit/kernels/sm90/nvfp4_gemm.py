@@ -343,6 +343,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       one-warpgroup CTAs (SwiGLU: two), unsplit or as 2-split clusters of >= 14 k-tiles, where
       those fill at least half the SMs (H100 A/B, session 32, 3072-6144 x 3584-4096 weights at
       24-32 tokens: 2-39 % faster; 4-split or 56-224-k-tile one-warpgroup grids were slower).
+      17-32-token grids whose splits would run 8-16 k-tiles on 2/3 to one wave of two-warpgroup
+      CTAs per split take 2 splits as clusters of SM-filling CTAs (session 32, five weights of
+      5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile splits +5 %, left out).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -387,6 +390,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
             if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
                 wgs, splits, cluster = one, one_splits, one_splits > 1
                 stages = min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
+        elif bn == 32 and not w4a8 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
+            # K-split runs of 8-16 k-tiles on 2/3 to one wave of two-warpgroup CTAs per split:
+            # 2 splits of SM-filling clusters
+            splits, cluster, stages = 2, True, min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
