@@ -4,7 +4,8 @@ Decode (default): the GEMV and the WGMMA W4A16 kernel at M = 1 on Llama-3-70B 57
 8192x8192 (``--gemv CFG`` per shape, ``warps,stages,splits``). Prefill (``--prefill NxKxM``): the
 W4A8 GEMM (on already quantized activations), the fp8-block GEMM of the same shape (the kernel
 W4A8 is measured against) and cuBLAS's FP8 row-wise ``_scaled_mm`` (the one fp8-block is measured
-against; its kernel name matches ``gemm``).
+against; its kernel name matches ``gemm``). Splits (``--split NxKxM ...``): the rule's K-split
+W4A16 config through the global turnstile and as a thread-block cluster.
 
 Run: ``ncu --clock-control none --section SpeedOfLight --section WarpStateStats
 --section ComputeWorkloadAnalysis -k regex:"Gemv|Gemm|gemm" python benchmarks/ncu_nvfp4.py [...]``.
@@ -66,14 +67,32 @@ def prefill(shape: str, w4a8_configs: list[str]) -> None:
           f"fp8-block {fbg.pick_config(m, n, k)}")
 
 
+def split(shapes: list[str]) -> None:
+    """The rule's K-split W4A16 config at each ``NxKxM``, through the turnstile and as a cluster."""
+    import dataclasses
+
+    for shape in shapes:
+        n, k, m = (int(v) for v in shape.split("x"))
+        w = prepared(n, k)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        rule = ng.pick_config(m, w.row_exp.shape[0], k, Epilogue(), False)
+        for cluster in (False, True):
+            ng.nvfp4_w4a16(x, w, config=dataclasses.replace(rule, cluster=cluster))
+        torch.cuda.synchronize()
+        print(f"{shape}: {rule}, turnstile then cluster")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemv", nargs="+", default=["8,2,1", "8,3,1"], help="warps,stages,splits per shape")
     ap.add_argument("--prefill", metavar="NxKxM", help="profile W4A8 and fp8-block at this shape instead")
     ap.add_argument("--w4a8-configs", nargs="*", default=[], metavar="BN,WGS,STAGES,SPLITS[,FLAG...]",
                     help="prefill: also these W4A8 configs (flags: Config's boolean fields)")
+    ap.add_argument("--split", nargs="+", metavar="NxKxM", help="profile K-split grids: turnstile vs cluster")
     args = ap.parse_args()
-    if args.prefill:
+    if args.split:
+        split(args.split)
+    elif args.prefill:
         prefill(args.prefill, args.w4a8_configs)
     else:
         decode(args.gemv)
