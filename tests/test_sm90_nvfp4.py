@@ -350,7 +350,16 @@ def test_cluster_split_configs():
             c = ng.pick_config(32, n, k, e, False)
             c.check(e, False)
             assert (c.warpgroups, c.splits, c.cluster) == ((2, 2, True) if k <= 8192 else (2, c.splits, False))
-            assert not ng.pick_config(16, n, k, e, False).cluster
+            assert ng.pick_config(16, n, k, e, False).stages == 4  # not at 16 tokens
+    # other two-warpgroup 16-32-token turnstile grids: a cluster where its packing (2 CTAs per SM in
+    # a GPC) and its one-wave limit (~94 % of those slots) cost nothing: more CTAs than SMs and
+    # under 90 % of 2 per SM (224), or over 2 per SM (320); not at 256 or at <= 132 CTAs
+    for m in (16, 24, 32):
+        for (n, k), total in {(3584, 18944): 224, (14336, 4096): 224, (10240, 8192): 320, (8192, 28672): 256,
+                              (4096, 14336): 256, (2048, 4096): 128, (1024, 4096): 64}.items():
+            c = ng.pick_config(m, n, k, epi, False)
+            assert (c.warpgroups, c.stages, n // 128 * c.splits) == (2, 4, total)
+            assert c.cluster == (total in (224, 320)), (n, k, m)
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
 
 
@@ -431,7 +440,7 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
     """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes at
-    16-64 tokens (8-16 stages; SwiGLU's with its exchange) compiles for sm_90a to WGMMA, with
+    16-64 tokens (4-16 stages; SwiGLU's with its exchange) compiles for sm_90a to WGMMA, with
     cluster barriers and no turnstile where it is a cluster."""
     pytest.importorskip("cutlass")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
@@ -441,7 +450,8 @@ def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
                     for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
     assert {(c.bn, c.warpgroups, c.stages, act) for c, act in cases} == {
         (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 12, "swiglu"),
-        (32, 2, 13, "identity"), (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu")}
+        (32, 2, 13, "identity"), (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu"),
+        (16, 2, 4, "identity"), (32, 2, 4, "identity"), (16, 2, 4, "swiglu"), (32, 2, 4, "swiglu")}
     configs = [c for c, _ in cases]
     script = textwrap.dedent(f"""
         import json, os, sys
@@ -758,6 +768,20 @@ SHORT_SPLIT_CASES = [  # (M, N, K, epilogue): the rule's one-wave short-split co
     (24, 5632, 8192, Epilogue(bias=True, residual=True)),  # 8-16-k-tile turnstile runs: two warpgroups, 2-split cluster
     (32, 8192, 8192, Epilogue(activation="swiglu")),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,epi", [(24, 14336, 4096, Epilogue(bias=True)),  # 224 CTAs, clusters of 2
+                                       (16, 10240, 8192, Epilogue(activation="swiglu")),  # 160 CTAs, clusters of 4
+                                       (32, 3584, 18944, Epilogue(residual=True))])  # 224 CTAs, clusters of 8
+def test_gpu_two_warpgroup_split_clusters_match_float64(m, n, k, epi):
+    """Two-warpgroup 16-32-token K-split grids the rule makes clusters (more CTAs than SMs, under
+    90 % of 2 per SM or over 2 per SM) match float64."""
+    config = ng.pick_config(m, n, k, epi, False)
+    assert config.cluster and config.stages == 4 and config.warpgroups == 2
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16", config=config)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
 @pytest.mark.gpu

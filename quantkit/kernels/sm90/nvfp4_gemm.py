@@ -346,6 +346,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       17-32-token grids whose splits would run 8-16 k-tiles on 2/3 to one wave of two-warpgroup
       CTAs per split take 2 splits as clusters of SM-filling CTAs (session 32, five weights of
       5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile splits +5 %, left out).
+      Other two-warpgroup 16-32-token splits meet in a cluster where the grid has more CTAs than
+      SMs and fewer than 90 % of two per SM, or more than two per SM (10240x8192, 3584x18944,
+      14336x4096: 0-17 % faster; at 256 CTAs 21-40 % slower, at <= 128 up to 24 % slower).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -394,6 +397,13 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
             # K-split runs of 8-16 k-tiles on 2/3 to one wave of two-warpgroup CTAs per split:
             # 2 splits of SM-filling clusters
             splits, cluster, stages = 2, True, min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
+        elif bn >= 16 and 1 < splits <= 8 and wgs == 2 and not w4a8:
+            # The turnstile's CTAs spread over the SMs; a cluster's are packed into its GPC, up to
+            # the 2 per SM these kernels' registers allow, and its last clusters wait for a second
+            # wave beyond ~94 % of those slots (ncu, session 32). So the splits meet in a cluster
+            # only where the turnstile also puts 2 CTAs on some SM and the grid is not in that band.
+            total = ctas * splits
+            cluster = total > num_sms and not 0.9 * 2 * num_sms < total <= 2 * num_sms
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
