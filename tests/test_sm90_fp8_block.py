@@ -142,12 +142,17 @@ def test_scales_for_tma_layout_and_values():
 
 
 @pytest.mark.parametrize("epi", EPILOGUES, ids=str)
-@pytest.mark.parametrize("m", [1, 64, 4096])
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 129, 4096, 16384])
 def test_pick_config_is_valid_for_epilogue(m, epi):
-    for n, k in [(4096, 4096), (2112, 7168), (28672, 4096)]:
+    """The GEMM's and (up to 16 tokens, bf16 outputs) the GEMV's rule configs pass their checks
+    on weights of 128-57344 x 128-28672, at 132 and 114 SMs."""
+    for n, k in [(n, k) for n in (128, 1024, 2112, 4096, 7168, 24576, 57344) for k in (128, 1536, 4096, 7168, 28672)]:
         if epi.activation == "swiglu" and n % 128:
             continue
         fbg.pick_config(m, n, k, epi).check(epi)
+        if m <= 16 and epi.requant is None:
+            for num_sms in (132, 114):
+                fgv.pick_gemv_config(m, n, k, epi, num_sms).check(epi)
 
 
 def test_tile_config_rejects_impossible_epilogues():

@@ -8,6 +8,7 @@ fragment layout assigns to that thread and register; that must reproduce ``e2m1 
 (W4A16) and :func:`quantkit.formats.w4a8.weight_to_fp8` (W4A8) exactly.
 """
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from quantkit.formats.codecs import e2m1_decode, unpack_nibbles
 from quantkit.formats import w4a8
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up
 from quantkit.kernels.sm90 import nvfp4_gemm as ng
+from quantkit.kernels.sm90 import nvfp4_gemv as gv
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
 
 def random_nvfp4(n: int, k: int, seed: int = 0, special: bool = True):
@@ -262,13 +264,23 @@ def test_w4a8_tile_rule_reproduces_the_h200_sweep():
         assert row["all"][key] <= 1.03 * row["best_us"], (row["shape"], row["m"], picked)
 
 
-def test_configs_fit_shared_memory():
-    """Every picked config fits the 227 KiB CTA limit; a W4A8 config with a bf16 (W4A16) tile does not."""
-    for m in (1, 5, 16, 24, 32, 33, 64, 100, 257, 4096):
-        for n, k in ((4096, 4096), (6144, 4096), (3072, 4096), (4608, 3584), (28672, 4096), (4096, 14336), (57344, 8192)):
+def test_picked_configs_are_valid():
+    """Every config the rules pick, over token counts 1-16384, weights of 128-106496 x 128-53248,
+    both modes, plain and SwiGLU epilogues and 132 or 114 SMs, passes ``Config.check``: it fits
+    the 227 KiB CTA limit (SwiGLU's exchange included) and a cluster holds 2-8 splits; so does
+    every GEMV config at 1-16 tokens."""
+    ms = (1, 5, 9, 16, 17, 24, 32, 33, 48, 64, 65, 100, 257, 1000, 4096, 16384)
+    ns = (128, 512, 1024, 2048, 3072, 4096, 5632, 6144, 8192, 10240, 14336, 28672, 57344, 106496)
+    ks = (128, 1024, 3584, 4096, 6144, 8192, 14336, 28672, 53248)
+    for m, n, k, num_sms in itertools.product(ms, ns, ks, (132, 114)):
+        for epi in (Epilogue(), Epilogue(activation="swiglu", bias=True)):
             for fp8_acts in (False, True):
-                for epi in (Epilogue(), Epilogue(activation="swiglu")):
-                    ng.pick_config(m, n, k, epi, fp8_acts).check(epi, fp8_acts)
+                ng.pick_config(m, n, k, epi, fp8_acts, num_sms).check(epi, fp8_acts)
+            if m <= 16:
+                gv.pick_gemv_config(m, n, k, epi, num_sms).check(epi)
+    # narrow deep weights at 33-64 tokens split K 16-64 ways: the turnstile, not a cluster
+    narrow = ng.pick_config(48, 128, 8192, Epilogue(), False)
+    assert (narrow.splits, narrow.cluster) == (16, False)
     ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=True)
     with pytest.raises(ValueError, match="needs 377856 bytes of shared memory in W4A16 mode"):
         ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=False)
@@ -533,7 +545,6 @@ def test_gemv_config_rule():
     rounds at one CTA per SM, else 2 (2 CTAs/SM); a 2-way K-split only for narrow, deep weights or
     very narrow ones (a quarter of the SMs); slots for the next power of 2 of M; 9-16 tokens (one
     CTA per SM at any depth) 3 stages where they fit."""
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     for n_pad, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192),
                      (8192, 28672), (1024, 4096), (1024, 8192), (18432, 16384), (106496, 16384)):
@@ -591,7 +602,6 @@ def test_64_token_tile_stages_and_padded_tma_rows():
 def test_w4a16_routes_decode_to_the_gemv():
     """Up to 8 tokens the GEMV on any weight; 9-16 tokens only on one-wave weights (<= 132 CTAs of
     64 rows, 128 with SwiGLU) with K <= 8192; beyond 16 the WGMMA kernel."""
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     plain, swiglu = Epilogue(), Epilogue(activation="swiglu")
     assert all(gv.use_gemv(m, n, k, plain, 132) for m in (1, 8) for n, k in ((57344, 8192), (8192, 28672)))
@@ -809,7 +819,6 @@ def test_gpu_gemv_matches_float64_reference(m, config, epi):
     """The decode GEMV: through the default W4A16 route (the rule's config where the route takes
     the WGMMA kernel), an uneven 3-way K-split through the global turnstile, and K-splits meeting in
     a cluster's distributed shared memory; 9-16 tokens in two 8-token MMA fragments."""
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 1024, 4096
     tokens = 16 if m > 8 else 8
@@ -828,7 +837,6 @@ def test_gpu_gemv_multi_round_grid(m):
     """The GEMV rule's config (through the default route where it takes the GEMV) on a grid of three
     rounds of one CTA per SM (288 row blocks), which the rule gives 3 stages: every CTA beyond the
     first round is written."""
-    from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
     n, k = 18432, 1024
     sms = torch.cuda.get_device_properties(0).multi_processor_count

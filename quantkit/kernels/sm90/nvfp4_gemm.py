@@ -409,7 +409,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
         room = _SMEM // (2 if two_per_sm else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
         stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
-        cluster = splits > 1 and not two_per_sm
+        cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
     if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
         # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room; W4A8 visits the token
