@@ -338,17 +338,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
       0.5 (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
       (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
-      31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower). W4A16
-      16-32-token grids whose splits would run <= 7 k-tiles take instead one wave of SM-filling
-      one-warpgroup CTAs (SwiGLU: two), unsplit or as 2-split clusters of >= 14 k-tiles, where
-      those fill at least half the SMs (H100 A/B, session 32, 3072-6144 x 3584-4096 weights at
-      24-32 tokens: 2-39 % faster; 4-split or 56-224-k-tile one-warpgroup grids were slower).
-      17-32-token grids whose splits would run 8-16 k-tiles on 2/3 to one wave of two-warpgroup
-      CTAs per split take 2 splits as clusters of SM-filling CTAs (session 32, five weights of
-      5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile splits +5 %, left out).
-      Other two-warpgroup 16-32-token splits meet in a cluster where the grid has more CTAs than
-      SMs and fewer than 90 % of two per SM, or more than two per SM (10240x8192, 3584x18944,
-      14336x4096: 0-17 % faster; at 256 CTAs 21-40 % slower, at <= 128 up to 24 % slower).
+      31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower). W4A16 at
+      16-32 tokens: :func:`short_split_layout` reshapes the grid.
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -384,26 +375,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     cluster = False
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
-        if bn >= 16 and not w4a8 and k_tiles // splits <= 7:
-            # K-split runs of <= 7 k-tiles: one wave of SM-filling CTAs (one warpgroup; SwiGLU two)
-            # with K in at most 2 cluster splits of >= 14 k-tiles, where they fill half the SMs or more
-            one = 2 if swiglu else 1
-            one_ctas = (rows // one) * m_tiles
-            one_splits = 2 if 2 * one_ctas <= num_sms else 1
-            if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
-                wgs, splits, cluster = one, one_splits, one_splits > 1
-                stages = min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
-        elif bn == 32 and not w4a8 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
-            # K-split runs of 8-16 k-tiles on 2/3 to one wave of two-warpgroup CTAs per split:
-            # 2 splits of SM-filling clusters
-            splits, cluster, stages = 2, True, min(16, max_stages(bn, wgs, w4a8, epilogue=epilogue))
-        elif bn >= 16 and 1 < splits <= 8 and wgs == 2 and not w4a8:
-            # The turnstile's CTAs spread over the SMs; a cluster's are packed into its GPC, up to
-            # the 2 per SM these kernels' registers allow, and its last clusters wait for a second
-            # wave beyond ~94 % of those slots (ncu, session 32). So the splits meet in a cluster
-            # only where the turnstile also puts 2 CTAs on some SM and the grid is not in that band.
-            total = ctas * splits
-            cluster = total > num_sms and not 0.9 * 2 * num_sms < total <= 2 * num_sms
+        if bn >= 16 and not w4a8:
+            wgs, splits, stages, cluster = short_split_layout(bn, rows, m_tiles, k_tiles, splits, epilogue, num_sms)
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
@@ -419,6 +392,40 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
             if fits(cfg, epilogue, w4a8):
                 return cfg
     return Config(bn, wgs, stages, splits, cluster=cluster)
+
+
+def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: int, epilogue: Epilogue,
+                       num_sms: int) -> tuple[int, int, int, bool]:
+    """``(warpgroups, splits, stages, cluster)`` of a W4A16 16-32-token (``bn``) grid over ``rows``
+    64-row weight blocks and ``m_tiles`` token tiles, in two-warpgroup CTAs that the K-split rule
+    gave ``splits`` turnstile splits of ``k_tiles // splits`` k-tiles (H100 A/Bs,
+    ``benchmarks/notes/nvfp4.md`` session 32):
+
+    * runs of <= 7 k-tiles: one wave of SM-filling one-warpgroup CTAs (SwiGLU: two), unsplit or as
+      2-split clusters of >= 14 k-tiles, where they fill at least half the SMs (3072-6144 x
+      3584-4096 weights at 24-32 tokens: 2-39 % faster; 4-split or 56-224-k-tile one-warpgroup
+      grids were slower);
+    * 32-token runs of 8-16 k-tiles on 2/3 to one wave of CTAs per split: 2 splits as clusters of
+      SM-filling CTAs (five weights of 5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile
+      runs +5 %, left out);
+    * otherwise the turnstile's grid, its splits meeting in a cluster where the grid has more CTAs
+      than SMs and fewer than 90 % of two per SM, or more than two per SM (10240x8192, 3584x18944,
+      14336x4096: 0-17 % faster; at 256 CTAs 21-40 % slower, at <= 128 up to 24 % slower). The
+      turnstile's CTAs spread over the SMs; a cluster's are packed into its GPC, up to the 2 per SM
+      these kernels' registers allow, and beyond ~94 % of those slots its last clusters wait for a
+      second wave (ncu)."""
+    ctas = rows // 2 * m_tiles
+    if k_tiles // splits <= 7:
+        wgs = 2 if epilogue.activation == "swiglu" else 1
+        one_ctas = rows // wgs * m_tiles
+        one_splits = 2 if 2 * one_ctas <= num_sms else 1
+        if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
+            return wgs, one_splits, min(16, max_stages(bn, wgs, False, epilogue=epilogue)), one_splits > 1
+        return 2, splits, 4, False
+    if bn == 32 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
+        return 2, 2, min(16, max_stages(bn, 2, False, epilogue=epilogue)), True
+    total = ctas * splits
+    return 2, splits, 4, 1 < splits <= 8 and num_sms < total and not 0.9 * 2 * num_sms < total <= 2 * num_sms
 
 
 # Time of one W4A8 prefill CTA per (tokens, warpgroups) tile, relative to a 256x128 (tokens x
