@@ -461,7 +461,7 @@ def run_gemv_stages_ab(shapes, fh):
     beside bf16 ``F.linear``, at M = 1 and 8, for every (N, K) of ``shapes`` and the fused SwiGLU
     gate_up shapes among them: 3 interleaved rounds. The rows carry the grid's waves at one CTA
     per SM (``ctas * splits / SMs``), what a stage rule is fitted on."""
-    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    rows, sms = [], kcache.num_sms(torch.device("cuda"))
     cases = [(n, k, Epilogue()) for name in shapes for n, k in SHAPES[name]]
     cases += [(n, k, Epilogue(activation="swiglu")) for n, k, _ in cases if n >= 4 * k]  # gate_up
     for n, k, epi in cases:
@@ -572,13 +572,13 @@ def run_cluster_ab(shapes, fh, ms, contenders=cluster_contenders):
     grids through the global split-K turnstile against the same grids as thread-block clusters
     meeting in distributed shared memory, :func:`cluster_contenders`), beside the default route
     and bf16; 3 interleaved rounds, after a float64 check of each config."""
-    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
             _, preps, bf16s = weight_copies(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in ms:
-                configs = contenders(m, n_pad, k, sms)
+                configs = contenders(m, n_pad, k, kcache.num_sms(preps[0].tiles.device))
                 if not configs:
                     continue
                 for c in configs.values():

@@ -380,8 +380,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
-        room = _SMEM // (2 if two_per_sm else 1) - _SMEM_RESERVE - exchange_bytes(bn, epilogue)
-        stages = max(3, min(8, room // stage_bytes(bn, wgs, w4a8)))
+        stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1, epilogue)))
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
     if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
