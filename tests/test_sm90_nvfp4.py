@@ -432,8 +432,9 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)  # split-K turnstile only when split
         # a cluster's split 0 adds each peer's partial from distributed shared memory: per thread,
-        # one load per peer and accumulator register (bn / 2)
-        assert text.count("ld.shared::cluster.f32") == ((splits - 1) * bn // 2 if cluster else 0)
+        # one 16-byte load per peer and 4 accumulator registers (bn / 2 of them), one mapa per peer
+        assert text.count("ld.shared::cluster.v4.b32") == ((splits - 1) * bn // 8 if cluster else 0)
+        assert text.count("mapa.shared::cluster") == (splits - 1 if cluster else 0)
         assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0 and not persistent)  # PDL variant
         # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory; staged

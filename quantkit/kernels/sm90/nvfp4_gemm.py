@@ -454,7 +454,7 @@ def dsl_ops():
     import types
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Uint32
+    from cutlass import Float32, Uint32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -471,15 +471,6 @@ def dsl_ops():
 
     def rotl(q, r: int):
         return q if r == 0 else (q << r) | (q >> (32 - r))
-
-    @dsl_user_op
-    def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
-        """The FP32 at shared address ``smem_addr`` of the cluster's CTA ``rank`` (``mapa`` +
-        ``ld.shared::cluster``)."""
-        return Float32(llvm.inline_asm(
-            T.f32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-            "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }", "=f,r,r",
-            has_side_effects=True, loc=loc, ip=ip))
 
     def decode_w4a16(q, scale_word, b: int):
         """The 4 bf16x2 A-fragment registers (pairs a0..a3, ``e2m1 · s_b · 2^-7``, exact) of one
@@ -499,7 +490,7 @@ def dsl_ops():
             return x / (1.0 + cute.math.exp(-_GELU_C * (x + 0.044715 * x * x * x)))
         return x
 
-    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl, ld_dsmem_f32=ld_dsmem_f32,
+    return types.SimpleNamespace(asm_u32=asm_u32, mul_x2_bcast=mul_x2_bcast, rotl=rotl,
                                  decode_w4a16=decode_w4a16, activate=activate)
 
 
@@ -923,24 +914,9 @@ def _kernel_class():
             barrier, after the reads; :meth:`epilogue` waits on it before the CTA exits."""
             if cutlass.const_expr(self.wgs == 2):
                 epi_bar.arrive_and_wait()  # both warpgroups' last WGMMAs have read the activation stages
-            threads = 128 * self.wgs
-            part_addr = storage.sX.data_ptr().toint()
-            part = cute.make_tensor(cute.recast_ptr(storage.sX.data_ptr(), dtype=Float32),
-                                    cute.make_layout((self.acc_n, threads), stride=(threads, 1)))
-            if bz != 0:
-                for i in cutlass.range_constexpr(self.acc_n):
-                    part[i, tid_c] = acc[i]
-            cute.arch.cluster_arrive()  # release: this CTA's partial is in its shared memory
-            cute.arch.cluster_wait()  # acquire: so are the peers'
-            if bz == 0:
-                for j in cutlass.range_constexpr(1, self.cfg.splits):
-                    for i in cutlass.range_constexpr(self.acc_n):
-                        acc[i] = acc[i] + ops.ld_dsmem_f32(part_addr + (i * threads + tid_c) * 4, j)
-            cute.arch.cluster_arrive()  # done reading the peers
-            first = Int32(0)
-            if bz == 0:
-                first = Int32(1)
-            return first
+            return split_k.dsl_cluster().cluster_sum(cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n)),
+                                                     cute.recast_ptr(storage.sX.data_ptr(), dtype=Float32), bz,
+                                                     self.cfg.splits, tid_c, 128 * self.wgs)
 
         @cute.jit
         def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,

@@ -150,6 +150,7 @@ def _kernel_class():
     from cutlass.cutlass_dsl import T, dsl_user_op
 
     ops = ng.dsl_ops()
+    ld_dsmem_f32 = split_k.dsl_cluster().ld_dsmem_f32
 
     @dsl_user_op
     def cp_async_16(dst_smem, src_gmem, src_bytes, *, loc=None, ip=None):
@@ -415,9 +416,9 @@ def _kernel_class():
                 for e in cutlass.range_constexpr(per_thread):
                     idx = tidx + e * self.threads
                     if self.owner(idx // self.mt) == bz:
-                        total = ops.ld_dsmem_f32(fin_addr + idx * 4, 0)
+                        total = ld_dsmem_f32(fin_addr + idx * 4, 0)
                         for j in cutlass.range_constexpr(1, cfg.splits):
-                            total = total + ops.ld_dsmem_f32(fin_addr + idx * 4, j)
+                            total = total + ld_dsmem_f32(fin_addr + idx * 4, j)
                         fsum[idx // self.mt, idx % self.mt] = total
                 cute.arch.cluster_arrive()  # done reading the peers (each waits for this before it exits)
                 cute.arch.sync_threads()

@@ -1,7 +1,12 @@
-"""Serial split-K across CTAs, shared by the sm90 kernels: each CTA of a tile publishes its FP32
-partial to a workspace and counts its arrival on the tile's counter; the last CTA to arrive sums
-all partials in split order (deterministic whatever the arrival order), resets the counter to 0
-and runs the epilogue. Nothing waits on another CTA, so any grid size and residency is safe.
+"""Split-K across CTAs, shared by the sm90 kernels, two ways:
+
+* serial (the *turnstile*, :func:`dsl_reduce`): each CTA of a tile publishes its FP32 partial to a
+  workspace and counts its arrival on the tile's counter; the last CTA to arrive sums all partials
+  in split order (deterministic whatever the arrival order), resets the counter to 0 and runs the
+  epilogue. Nothing waits on another CTA, so any grid size and residency is safe;
+* as one thread-block cluster (:func:`dsl_cluster`): the splits of a tile are co-resident, leave
+  their partials in their own shared memory and split 0 adds them through distributed shared
+  memory, in the same order (the same sums, bit for bit).
 """
 from __future__ import annotations
 
@@ -75,3 +80,60 @@ def dsl_reduce():
         return is_last
 
     return reduce
+
+
+@functools.cache
+def dsl_cluster():
+    """The device side of K-splits meeting in one thread-block cluster (imports CuTeDSL), a
+    namespace of:
+
+    * ``ld_dsmem_f32(smem_addr, rank)``: the FP32 at shared address ``smem_addr`` of the cluster's
+      CTA ``rank`` (``mapa`` + ``ld.shared::cluster``);
+    * ``cluster_sum(vals, part, split, splits, tid, threads) -> Int32``, called by every reducing
+      thread of every CTA of the cluster (cluster rank = ``split``) once its mainloop no longer
+      reads the shared memory at ``part`` (an FP32 shared-memory pointer, 16-byte aligned, room for
+      ``threads`` x ``n`` values): ``vals`` is the thread's FP32 partial (register tensor ``[n]``,
+      ``n % 4 == 0``). Splits 1.. store it there, 16 bytes at a time, thread-interleaved (no bank
+      conflicts); split 0 loads each peer's in turn (16-byte ``ld.shared::cluster``, a peer's loads
+      all in flight at once), adds them in split order and returns 1 (the others 0). Every thread
+      arrives once more on the cluster barrier after the reads: each CTA must
+      ``cute.arch.cluster_wait()`` before it exits, so its shared memory outlives split 0's reads.
+    """
+    import types
+
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    @dsl_user_op
+    def ld_dsmem_f32(smem_addr, rank, *, loc=None, ip=None):
+        return Float32(llvm.inline_asm(
+            T.f32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+            "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }", "=f,r,r",
+            has_side_effects=True, loc=loc, ip=ip))
+
+    @cute.jit
+    def cluster_sum(vals: cute.Tensor, part: cute.Pointer, split: Int32, splits: cutlass.Constexpr[int], tid: Int32,
+                    threads: cutlass.Constexpr[int]) -> Int32:
+        n = cute.size(vals)
+        # value i of thread t at float (i // 4) * 4 * threads + 4 * t + i % 4
+        layout = cute.make_layout(((4, n // 4), threads), stride=((1, 4 * threads), 4))
+        mine = cute.make_tensor(vals.iterator, cute.make_layout((4, n // 4)))
+        if split != 0:
+            cute.autovec_copy(mine, cute.make_tensor(part, layout)[None, tid])
+        cute.arch.cluster_arrive()  # release: this CTA's partial is in its shared memory
+        cute.arch.cluster_wait()  # acquire: so are the peers'
+        first = Int32(0)
+        if split == 0:
+            peer = cute.make_rmem_tensor((4, n // 4), Float32)
+            for j in cutlass.range_constexpr(1, splits):
+                cute.autovec_copy(cute.make_tensor(cute.arch.map_dsmem_ptr(part, j), layout)[None, tid], peer)
+                for i in cutlass.range_constexpr(n):
+                    mine[i] = mine[i] + peer[i]
+            first = Int32(1)
+        cute.arch.cluster_arrive()  # done reading the peers
+        return first
+
+    return types.SimpleNamespace(ld_dsmem_f32=ld_dsmem_f32, cluster_sum=cluster_sum)
