@@ -15,7 +15,9 @@ dispatch config against those variants;
 ``--shapes N,K ...`` keeps only those weight shapes; ``--act-quant`` times only the activation
 quantization (bf16 -> FP8 1x128 groups, with and without RMSNorm). ``--partial-tiles`` times only
 ``fp8_block_linear`` at token counts whose last tile is partial (its operands tile-high) against the
-same act_quant + GEMM on x's own rows and bf16, 3 interleaved rounds.
+same act_quant + GEMM on x's own rows and bf16, 3 interleaved rounds. ``--split-ab`` times only
+the small-M rows (:data:`SPLIT_MS` tokens) in their dispatch config against K-split clusters of
+small tiles (:func:`split_candidates`) and bf16, 3 interleaved rounds.
 """
 from __future__ import annotations
 
@@ -67,6 +69,59 @@ LARGE_CANDIDATES = [
     fbg.TileConfig(128, 128, 1, 2, raster=8), fbg.TileConfig(128, 128, 2, 1, raster=4),
     fbg.TileConfig(128, 192, overlap=False, raster=4), fbg.TileConfig(128, 192, 2, 1, overlap=False, raster=4),
 ]
+
+
+SPLIT_MS = (32, 64, 128)
+
+
+def split_candidates(m: int, n: int, k: int, num_sms: int) -> list[fbg.TileConfig]:
+    """K-split variants for a small-M row: 64x64 and 64x128 tiles (64x64, 128x64 and 128x128
+    above 64 tokens), unsplit and with 2, 4 or 8 splits where the splits divide the k-tiles into
+    runs of >= 4 and the grid fills 1/2 to ~2 waves."""
+    tiles = [(64, 64), (64, 128)] if m <= 64 else [(64, 64), (128, 64), (128, 128)]
+    out = []
+    kt = k // 128
+    for tm, tn in tiles:
+        ctas = -(-m // tm) * (n // tn)
+        for s in (1, 2, 4, 8):
+            if kt % s or kt // s < 4 or (s > 1 and not num_sms / 2 <= ctas * s <= 2.2 * num_sms):
+                continue
+            unroll = next((u for u in (8, 4, 2) if (kt // s) % u == 0), 8)
+            out.append(fbg.TileConfig(tm, tn, unroll=unroll, overlap=(kt // s) % unroll == 0, splits=s))
+    return out
+
+
+def split_ab(gen: torch.Generator, shapes: set | None, ms: list[int]) -> list[dict]:
+    """Per small-M row: the dispatch config, :func:`split_candidates` and bf16 in 3 interleaved
+    rounds (each config checked against float64 first); µs medians."""
+    from quantkit.kernels.cache import num_sms
+
+    rows = []
+    pairs = sorted({(n, k) for n, k, _ in DSV3 + LLAMA + UNFUSED})
+    for n, k in pairs:
+        if shapes and (n, k) not in shapes:
+            continue
+        for m in ms:
+            prob = Problem(m, n, k, gen)
+            picked = fbg.pick_config(m, n, k)
+            cands = list(dict.fromkeys([picked, *split_candidates(m, n, k, num_sms(torch.device("cuda")))]))
+            ok = []
+            for c in cands:
+                try:
+                    prob.check(c)
+                    ok.append(c)
+                except (AssertionError, RuntimeError, ValueError) as err:
+                    print(f"  {c} M={m} N={n} K={k}: {str(err).splitlines()[0][:160]}", flush=True)
+            contenders = {str(c): prob.ours_fns(c) for c in ok} | {"bf16": prob.bf16_fns()}
+            med = medians(interleaved_us(contenders, rounds=3, reps=15))
+            best = min((c for c in ok), key=lambda c: med[str(c)])
+            rows.append(dict(m=m, n=n, k=k, picked=str(picked), us=med))
+            short = lambda c: f"{c.tile_m}x{c.tile_n}/s{c.splits}"  # noqa: E731
+            print(f"M={m:4d} N={n:6d} K={k:6d}: bf16 {med['bf16']:6.1f} | picked {short(picked)} {med[str(picked)]:6.1f} | "
+                  f"best {short(best)} {med[str(best)]:6.1f} (x{med[str(picked)] / med[str(best)]:.2f}) | "
+                  + " ".join(f"{short(c)} {med[str(c)]:.1f}" for c in ok), flush=True)
+            del prob
+    return rows
 
 
 def _ab_candidates(picked: fbg.TileConfig, names: list[str]) -> list[fbg.TileConfig]:
@@ -194,6 +249,8 @@ def main() -> None:
     parser.add_argument("--act-quant", action="store_true", help="only the activation-quantization rows")
     parser.add_argument("--partial-tiles", action="store_true",
                         help="only: fp8_block_linear at partial-tile token counts vs the GEMM on x's own rows")
+    parser.add_argument("--split-ab", action="store_true", help="only: small-M rows against K-split clusters")
+    parser.add_argument("--split-ms", type=int, nargs="+", default=list(SPLIT_MS), metavar="M")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds that time a row's contenders (and an epilogue row's kernels) in turn; medians are reported")
     args = parser.parse_args()
@@ -203,6 +260,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --ab variant(s) {sorted(unknown)}; choose from {sorted(AB_VARIANTS)}")
     gen = torch.Generator("cuda").manual_seed(0)
+    if args.split_ab:
+        keep = {tuple(int(v) for v in s.split(",")) for s in args.shapes} if args.shapes else None
+        rows = split_ab(gen, keep, args.split_ms)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "split_ab.json").write_text(json.dumps(rows, indent=1))
+        return
     if args.partial_tiles:
         rows = partial_tiles(gen)
         if args.out:
@@ -252,7 +316,7 @@ def main() -> None:
                 try:
                     prob.check(cand)
                     times[str(cand)] = prob.ours(cand)
-                except (AssertionError, RuntimeError) as err:  # report and keep tuning
+                except (AssertionError, RuntimeError, ValueError) as err:  # report and keep tuning
                     print(f"  {cand} M={m} N={n} K={k}: {str(err).splitlines()[0][:160]}", flush=True)
                     times[str(cand)] = float("inf")
             tuned[(n, k, m)] = min(candidates, key=lambda c: times[str(c)])

@@ -39,6 +39,14 @@ SIXTEEN = [
     fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False),
     fbg.TileConfig(128, 128, unroll=16),
 ]
+# K-splits meeting in a thread-block cluster (small-M grids): 2-8 splits, 64/128-row tiles, groups of
+# 2 k-tiles and no overlap.
+SPLITS = [
+    fbg.TileConfig(64, 64, splits=4),
+    fbg.TileConfig(64, 128, unroll=2, splits=2),
+    fbg.TileConfig(128, 64, overlap=False, splits=8),
+    fbg.TileConfig(128, 128, unroll=4, splits=2),
+]
 EPILOGUES = [
     Epilogue(),
     Epilogue(bias=True, activation="silu", requant="fp8-block"),
@@ -149,10 +157,24 @@ def test_pick_config_is_valid_for_epilogue(m, epi):
     for n, k in [(n, k) for n in (128, 1024, 2112, 4096, 7168, 24576, 57344) for k in (128, 1536, 4096, 7168, 28672)]:
         if epi.activation == "swiglu" and n % 128:
             continue
-        fbg.pick_config(m, n, k, epi).check(epi)
-        if m <= 16 and epi.requant is None:
-            for num_sms in (132, 114):
+        for num_sms in (132, 114):
+            cfg = fbg.pick_config(m, n, k, epi, num_sms)
+            cfg.check(epi)
+            assert (k // 128) % cfg.splits == 0
+            if m <= 16 and epi.requant is None:
                 fgv.pick_gemv_config(m, n, k, epi, num_sms).check(epi)
+
+
+def test_pick_config_splits_long_runs_of_half_wave_64x64_grids():
+    """K in two halves (a 2-CTA cluster) exactly for 64x64 grids beyond 16 tokens on at most half
+    the SMs with >= 56 k-tiles."""
+    split = lambda m, n, k, num_sms=132, epi=Epilogue(): fbg.pick_config(m, n, k, epi, num_sms).splits  # noqa: E731
+    assert [split(m, 2112, 7168) for m in (1, 16, 17, 64, 128, 129)] == [1, 1, 2, 2, 2, 1]
+    assert split(64, 4096, 14336) == split(64, 4096, 7168) == 2
+    assert split(64, 4096, 14336, num_sms=114) == 1  # 128 CTAs would exceed the SMs
+    assert split(64, 4096, 4096) == 1  # 32 k-tiles
+    assert split(64, 7168, 16384) == 1  # 112 tiles
+    assert split(64, 2112, 7168, epi=Epilogue(bias=True, activation="silu", requant="fp8-block")) == 1  # 64x128
 
 
 def test_tile_config_rejects_impossible_epilogues():
@@ -168,6 +190,17 @@ def test_tile_config_rejects_impossible_epilogues():
         fbg.TileConfig(128, 192, overlap=False).check(Epilogue(requant="fp8-block"))
     with pytest.raises(ValueError):
         fbg.TileConfig(128, 128, unroll=12).check(Epilogue())
+    for bad in (fbg.TileConfig(64, 128, 1, 2, splits=2), fbg.TileConfig(64, 64, raster=2, splits=2),
+                fbg.TileConfig(128, 192, overlap=False, splits=2), fbg.TileConfig(64, 64, splits=9)):
+        with pytest.raises(ValueError, match="K-splits"):
+            bad.check(Epilogue())
+
+
+def test_plan_refuses_splits_that_do_not_divide_the_k_tiles():
+    with pytest.raises(ValueError, match="do not divide into 8 splits"):
+        fbg._plan(64, 4096, 1536, Epilogue(), False, None, fbg.TileConfig(64, 64, splits=8), False)  # 12 k-tiles
+    with pytest.raises(ValueError, match="at most"):
+        fbg._plan(1 << 20, 8192, 1536, Epilogue(), False, None, fbg.TileConfig(64, 64, splits=2), False)
 
 
 def test_plan_falls_back_to_the_largest_group_that_divides_the_k_tiles(monkeypatch):
@@ -246,6 +279,21 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
         assert "cp.async.bulk.tensor.2d.global.shared" in ptx, (cfg, epi)  # TMA store of the output tile
         if epi.activation in ("silu", "gelu_tanh"):  # act_tanh: one MUFU op per element instead of ex2 + rcp
             assert ("tanh.approx.f32" in ptx) == cfg.act_tanh and ("ex2.approx" in ptx) != cfg.act_tanh, (cfg, epi)
+
+
+def test_split_configs_compile_for_sm90a_to_a_cluster_sum(tmp_path):
+    """Each K-split config (plain, and with the requant / SwiGLU epilogues where they fit): split 0
+    reads every peer's partial tile once through distributed shared memory (16-byte loads, one
+    ``mapa`` per peer), between cluster barriers."""
+    jobs = [(cfg, epi) for cfg in SPLITS for epi in (Epilogue(), EPILOGUES[1], EPILOGUES[5]) if _valid(cfg, epi)]
+    for i, (cfg, epi) in enumerate(jobs):
+        ptx = _ptx(tmp_path, f"split{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
+        assert "wgmma.mma_async.sync.aligned" in ptx and "cp.async.bulk.tensor" in ptx, (cfg, epi)
+        per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.consumer_warpgroups)
+        assert ptx.count("ld.shared::cluster.v4.b32") == (cfg.splits - 1) * per_thread // 4, (cfg, epi)
+        assert ptx.count("mapa.shared::cluster.u32") == cfg.splits - 1, (cfg, epi)
+        assert ptx.count("barrier.cluster.arrive") == 2 and ptx.count("barrier.cluster.wait") == 2, (cfg, epi)
+        assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, epi)
 
 
 def test_act_quant_compiles_for_sm90a(tmp_path):
@@ -489,6 +537,37 @@ def test_gpu_early_bias_fp32_bias_matches_float64():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SPLITS, ids=str)
+@pytest.mark.parametrize("m", [1, 7, 64, 129, 1000])
+def test_gpu_split_clusters_match_float64(m, cfg):
+    """K-splits in a cluster: the bare GEMM on a weight of 33 N-tiles with K = 7168 (56 k-tiles)
+    and K = 1024 within one bf16 ulp (and 1e-4 of the largest output) of the same tile unsplit
+    (FP32 partials summed in split order differ from one running sum by rounding) and within the
+    float64 gate; every epilogue the tile
+    runs within the float64 gates of :func:`test_gpu_epilogues_match_float64` (from 7 tokens: on
+    one token's 512 outputs the 1e-3 gate on bf16-rounded values is a handful of rounding flips,
+    which the unsplit kernel shows alike)."""
+    for n, k in ((2112, 7168), (512, 1024)):
+        gen = torch.Generator("cuda").manual_seed(m * 3 + n + k)
+        xq, xs, wq, ws = _operands(m, n, k, gen)
+        ref = gemm_f64(xq, xs, wq, ws, Epilogue())
+        outs = []
+        for c in (cfg, replace(cfg, splits=1)):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            fbg.fp8_block_gemm(xq, xs, wq, ws, config=c, out=out)
+            outs.append(out)
+        assert not outs[0].isnan().any() and _rel(outs[0], ref) < 4e-3, (cfg, n, k)
+        # one bf16 ulp, plus the FP32 reassociation error of outputs that cancel (bounded by
+        # k-tiles x 2^-24 x sum |partials|, ~1e-5 of the largest output here)
+        a, b = outs[0].double(), outs[1].double()
+        tol = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7) + 1e-4 * b.abs().max()
+        assert not ((a - b).abs() > tol).any(), (cfg, n, k, float((a - b).abs().max()), float(b.abs().max()))
+    for epi in EPILOGUES[1:] if m > 1 else ():
+        if _valid(cfg, epi):
+            _check_epilogue(m, epi, cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "swiglu"])
 @pytest.mark.parametrize("m", [7, 4096])
 def test_gpu_exp_activation_matches_float64(m, act):
@@ -520,7 +599,7 @@ def _check_epilogue(m, epi, config=None, bias_dtype=torch.bfloat16):
     q, s = got
     assert s.shape == (m, n_out // 128) and s.stride(0) == 1 and not s.isnan().any()
     plain = fbg.fp8_block_gemm(xq, xs, wq, ws, Epilogue(epi.bias, epi.activation, epi.residual), bias, res,
-                               config=fbg.pick_config(m, n, k, epi))
+                               config=config or fbg.pick_config(m, n, k, epi))
     assert _rel(plain, ref.to(torch.bfloat16)) < 1e-3
     rq, rs = fp8.quantize(plain.cpu(), (1, 128))
     assert torch.equal(s.cpu(), rs)

@@ -23,6 +23,11 @@ Structure (one CTA per SM, persistent over output tiles, visited in raster group
   shared memory in one TMA store group. SiLU and GELU-tanh cost one ``tanh.approx`` per element
   (``TileConfig.act_tanh``; within the 1e-3 float64 gate of the GPU tests).
 
+With ``TileConfig.splits`` > 1 (small-M grids that fill few SMs) each tile's K is split over a
+thread-block cluster of that many CTAs, one tile per CTA: splits 1.. leave their FP32 partial in
+their drained operand stages and split 0 adds them through distributed shared memory
+(:func:`.split_k.dsl_cluster`), then runs the epilogue.
+
 ``M`` is a runtime value (TMA zero-fills rows past ``M`` on load and clips them on store), so one
 compiled kernel serves every ``M``; ``N'`` and ``K`` must be multiples of 128.
 
@@ -49,9 +54,11 @@ import torch
 from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
+from quantkit.kernels.sm90 import split_k
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
+MAX_SPLIT_TILES = 65535  # a K-split launch is one cluster per tile, the tiles along grid z (its limit)
 _GELU_C = 2.0 * math.sqrt(2.0 / math.pi)  # gelu_tanh(x) = x * sigmoid(_GELU_C * (x + 0.044715 x^3))
 
 
@@ -60,7 +67,8 @@ class TileConfig:
     """CTA tile and cluster shape: ``tile_m`` in {64, 128} (one consumer warpgroup per 64 rows),
     ``tile_n`` in {64, 128, 192} (192: a tile spans two weight-scale blocks, and three 96-column
     accumulators would not fit in registers, so no overlap); clusters of at most 2 CTAs multicast
-    the shared operand."""
+    the shared operand. ``splits`` > 1: each tile's K is split over a cluster of that many CTAs
+    (``K/128`` must divide by it; no multicast, raster 1, ``tile_n <= 128``)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -72,6 +80,7 @@ class TileConfig:
     defer_epilogue: bool = True  # a tile's epilogue runs once the next tile's first k-tiles are issued
     act_tanh: bool = True  # SiLU / GELU-tanh as h + h·tanh.approx(z/2), h = x/2 (one MUFU op; False: ex2 + rcp)
     early_bias: bool = True  # a tile's bf16 bias is loaded into registers as its mainloop starts (False: in its epilogue)
+    splits: int = 1  # K-splits of a tile, meeting in a thread-block cluster (1: none)
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -86,10 +95,13 @@ class TileConfig:
             raise ValueError("tile_n = 192 needs overlap=False (two 96-column temporaries exceed the register budget)")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError(f"unsupported cluster {self.cluster_m}x{self.cluster_n}")
-        if self.unroll not in (4, 8, 16):
-            raise ValueError(f"unroll must be 4, 8 or 16 k-tiles, got {self.unroll}")
+        if self.unroll not in (2, 4, 8, 16):
+            raise ValueError(f"unroll must be 2, 4, 8 or 16 k-tiles, got {self.unroll}")
         if self.raster < 1:
             raise ValueError(f"raster group must be >= 1, got {self.raster}")
+        if self.splits != 1 and not (2 <= self.splits <= 8 and self.cluster_m * self.cluster_n == 1
+                                     and self.raster == 1 and self.tile_n <= 128):
+            raise ValueError(f"{self}: K-splits need 2..8 splits, no multicast cluster, raster 1 and tile_n <= 128")
         if epilogue.activation == "swiglu" and self.tile_n != 2 * SWIGLU_GROUP:
             raise ValueError("swiglu needs a tile holding a full gate/up group pair (tile_n = 128)")
         out_cols = self.tile_n // (2 if epilogue.activation == "swiglu" else 1)
@@ -124,7 +136,9 @@ class Fp8BlockGemmSm90:
         self.out_dtype = cutlass.Float8E4M3FN if self.requant else cutlass.BFloat16
         self.tile_mnk = (config.tile_m, config.tile_n, BLOCK)
         self.out_tile_n = config.tile_n // 2 if self.swiglu else config.tile_n
-        self.cluster_mn = (config.cluster_m, config.cluster_n)
+        self.cluster_mn = (config.cluster_m, config.cluster_n)  # the multicast cluster
+        self.splits = config.splits
+        self.launch_cluster = (1, config.splits, 1) if config.splits > 1 else (*self.cluster_mn, 1)
         self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
         self.num_consumers = config.consumer_warpgroups
         self.threads_per_cta = 128 * (1 + self.num_consumers)
@@ -201,6 +215,8 @@ class Fp8BlockGemmSm90:
         self.epi_tile = (self.cfg.tile_m, self.out_tile_n if self.requant else 32)
         self.epi_stage = self.out_tile_n // self.epi_tile[1]
         self._make_smem_layouts()
+        if cutlass.const_expr(self.splits > 1 and cute.cosize(self.a_smem_staged) < self.cfg.tile_m * self.cfg.tile_n * 4):
+            raise ValueError(f"{self.cfg}: the FP32 partial tile does not fit the A stages")
 
         tma_a, tA = self._tma_load(mA, self.a_smem_staged, (self.cfg.tile_m, BLOCK), self.mcast_a)
         tma_b, tB = self._tma_load(mB, self.b_smem_staged, (self.cfg.tile_n, BLOCK), self.mcast_b)
@@ -214,7 +230,10 @@ class Fp8BlockGemmSm90:
         )
         num_tiles = cute.zipped_divide(mD, tiler=out_tile)[(0, (None, None))].shape
         # raster > 1 rounds the N-cluster count up to a multiple of it: the kernel skips those clusters.
-        sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
+        if cutlass.const_expr(self.splits > 1):  # a cluster per tile: tile index n * splits + split along N
+            sched = utils.PersistentTileSchedulerParams((num_tiles[0], num_tiles[1] * self.splits, 1), self.launch_cluster, 1, True)
+        else:
+            sched = utils.PersistentTileSchedulerParams((*num_tiles, 1), (*self.cluster_mn, 1), self.cfg.raster, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
 
         @cute.struct
@@ -231,7 +250,7 @@ class Fp8BlockGemmSm90:
             self.tiled_mma, self.tiled_mma_out, self.cta_layout_mnk,
             self.a_smem_staged, self.b_smem_staged, self.sa_smem_staged, self.epi_smem_staged,
         ).launch(
-            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_mn, 1),
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=self.launch_cluster,
             min_blocks_per_mp=1, stream=stream,
         )
 
@@ -283,7 +302,9 @@ class Fp8BlockGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_sa)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
 
-        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_rank = 0  # a K-split cluster's CTAs share no operand: each is its own multicast "cluster"
+        if cutlass.const_expr(self.splits == 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
         a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1) if self.mcast_a > 1 else 0
         b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0) if self.mcast_b > 1 else 0
@@ -331,6 +352,9 @@ class Fp8BlockGemmSm90:
         )
         k_tiles = cute.size(gA, mode=[3])
         n_tiles = cute.size(gB, mode=[2])
+        part = None  # K-splits: where a CTA's FP32 partial tile goes, over its A stages
+        if cutlass.const_expr(self.splits > 1):
+            part = cute.recast_ptr(storage.sA.data_ptr(), dtype=self.acc_dtype)
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
@@ -346,7 +370,7 @@ class Fp8BlockGemmSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consumer(
                 tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, tidx - 128, warp_idx, sA, sB, sSA, sD, gD,
-                tma_d, mSB, mD, mBias, mRes, mDS,
+                tma_d, mSB, mD, mBias, mRes, mDS, part,
             )
 
     @cute.jit
@@ -358,9 +382,10 @@ class Fp8BlockGemmSm90:
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while work.is_valid_tile:
-            tm, tn, _ = work.tile_idx
+            tm, tn_split, _ = work.tile_idx
+            tn, kt_first, kts = self._split_range(tn_split, k_tiles)
             if self._real_tile(tn, n_tiles):
-                for kt in range(k_tiles):
+                for kt in range(kt_first, kt_first + kts):
                     ab_pipe.producer_acquire(state)
                     bar = ab_pipe.producer_get_barrier(state)
                     cute.copy(tma_a, tAgA[(None, tm, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
@@ -375,7 +400,7 @@ class Fp8BlockGemmSm90:
     @cute.jit
     def _consumer(
         self, tiled_mma, tiled_mma_out, ab_pipe, sched_params, k_tiles, n_tiles, ctid, warp_idx, sA, sB, sSA, sD, gD, tma_d, mSB, mD,
-        mBias, mRes, mDS,
+        mBias, mRes, mDS, part,
     ):
         wg = ctid // 128
         thr_mma_wg = tiled_mma.get_slice(wg * 128)
@@ -428,7 +453,8 @@ class Fp8BlockGemmSm90:
         bufs = (tmp, tmp2)
         unroll = self.cfg.unroll if self.cfg.overlap else 1
         while work.is_valid_tile:
-            tm, tn, _ = work.tile_idx
+            tm, tn_split, _ = work.tile_idx
+            tn, kt_first, kts = self._split_range(tn_split, k_tiles)
             if self._real_tile(tn, n_tiles):
                 seg_blocks = self._segment_blocks(tn, mSB.shape[0])
                 read = state.clone()
@@ -437,17 +463,24 @@ class Fp8BlockGemmSm90:
                 # Straight-line groups of `unroll` k-tiles, each ending in wait_group(0): ptxas serializes
                 # WGMMA (C7514) when an accumulator group stays in flight across a loop back-edge. Needs
                 # K/128 % unroll == 0 (the host falls back to smaller groups, else to no overlap).
-                tiled_mma, state, read = self._group(tiled_mma, state, read, 0, unroll, ops, pend)
-                for kt0 in range(unroll, k_tiles, unroll):
+                tiled_mma, state, read = self._group(tiled_mma, state, read, kt_first, unroll, ops, pend)
+                for kt0 in range(kt_first + unroll, kt_first + kts, unroll):
                     tiled_mma, state, read = self._group(tiled_mma, state, read, kt0, unroll, ops)
-                if cutlass.const_expr(not self.cfg.defer_epilogue):
+                if cutlass.const_expr(not self.cfg.defer_epilogue and self.splits == 1):
                     self._finish_tile(acc, tm, tn, *epi)
                 prev_tm = tm
                 prev_tn = tn
                 tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        if cutlass.const_expr(self.cfg.defer_epilogue):
+        if cutlass.const_expr(self.splits > 1):  # one tile per CTA: its splits meet, split 0 finishes it
+            self.epi_barrier.arrive_and_wait()  # every consumer warpgroup's WGMMAs have read the operand stages
+            _, split, _ = cute.arch.block_idx()
+            acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
+            if split_k.dsl_cluster().cluster_sum(acc_flat, part, split, self.splits, ctid, self.num_mma_threads) != 0:
+                self._finish_tile(acc, prev_tm, prev_tn, *epi)
+            cute.arch.cluster_wait()  # split 0 has read the peers' partials: their shared memory may go
+        elif cutlass.const_expr(self.cfg.defer_epilogue):
             if tiles_done > 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
         store_pipe.producer_tail()
@@ -526,6 +559,14 @@ class Fp8BlockGemmSm90:
             for e in cutlass.range_constexpr(epi_tiles):
                 cute.copy(tma_d, bSG_sD[(None, e)], bSG_gD[(None, epi_grid.get_hier_coord(e))])
             store_pipe.producer_commit()
+
+    def _split_range(self, tn_split, k_tiles):
+        """(N-tile, first k-tile, k-tiles) of the scheduler's tile column ``tn_split``: with K-splits
+        it is ``tn * splits + split``, and split ``s`` takes k-tiles ``s * k_tiles / splits`` on."""
+        if self.splits == 1:
+            return tn_split, 0, k_tiles
+        kts = k_tiles // self.splits
+        return tn_split // self.splits, tn_split % self.splits * kts, kts
 
     def _real_tile(self, tn, n_tiles):
         """False for the N-clusters past ``N`` that a raster group > 1 adds (whole clusters only, so
@@ -724,9 +765,16 @@ _DEFAULT: tuple[tuple[int, TileConfig], ...] = tuple(zip(_M_BUCKETS, (_WC, _W, _
 
 
 @functools.lru_cache(maxsize=4096)  # fp8_block_linear asks on every call (its token-tile height)
-def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> TileConfig:
-    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue``; set to
-    ``tile_n = 128`` where the epilogue needs full 128-column groups (swiglu, requant)."""
+def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue(), num_sms: int = 132) -> TileConfig:
+    """The tile config the dispatch table gives ``x[m, k] @ w[n, k].T`` with ``epilogue`` on a GPU
+    of ``num_sms`` SMs; set to ``tile_n = 128`` where the epilogue needs full 128-column groups
+    (swiglu, requant).
+
+    Beyond 16 tokens, a 64x64 grid that fills at most half the SMs with runs of >= 56 k-tiles
+    splits K in two, the halves meeting in a 2-CTA cluster (H100, session 33, 3 interleaved rounds:
+    2112x7168 at 32-128 tokens 7-9 % faster, 4096x14336 at 64 tokens 5 %, 4096x7168 at 64 tokens
+    1 % slower). More splits lose: a cluster launch packs its CTAs into one GPC, so at one CTA per
+    SM only ~32 clusters of 4 run at once (33 tiles of 2112x7168 take two waves, 30 % slower)."""
     for max_m, cfg in _DISPATCH.get((n, k), _DEFAULT):
         if m <= max_m:
             break
@@ -738,6 +786,10 @@ def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue()) -> Tile
     # immediate 128x128 tiles (H200, one round; notes/fp8_block.md session 16).
     if not cfg.defer_epilogue and epilogue.requant is None:
         cfg = replace(cfg, early_bias=False)
+    tiles, k_tiles = -(-m // 64) * -(-n // 64), k // BLOCK
+    if (cfg.tile_m, cfg.tile_n, cfg.cluster_m * cfg.cluster_n) == (64, 64, 1) and m > 16 and 2 * tiles <= num_sms \
+            and k_tiles >= 56 and k_tiles % 2 == 0:
+        cfg = replace(cfg, splits=2)
     return cfg
 
 
@@ -753,7 +805,7 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
     from quantkit.kernels.cache import compile_kernel
 
     kernel = Fp8BlockGemmSm90(
-        config, epilogue, num_sms // (config.cluster_m * config.cluster_n),
+        config, epilogue, MAX_SPLIT_TILES if config.splits > 1 else num_sms // (config.cluster_m * config.cluster_n),
         cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
     )
     key = ("sm90.fp8_block_gemm", config, epilogue, bias_fp32, num_sms)
@@ -766,10 +818,16 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
           tvm_ffi: bool):
     """The executor of one launch shape (dispatch config unless ``config``), cached: the per-call
     host path is a dict lookup."""
-    config = config or pick_config(m, n, k, epilogue)
-    if config.overlap and (k // BLOCK) % config.unroll:
+    config = config or pick_config(m, n, k, epilogue, num_sms(device))
+    k_tiles = k // BLOCK  # per split
+    if k_tiles % config.splits:
+        raise ValueError(f"K/128 = {k_tiles} k-tiles do not divide into {config.splits} splits")
+    if config.splits > 1 and -(-m // config.tile_m) * -(-n // config.tile_n) > MAX_SPLIT_TILES:
+        raise ValueError(f"{config}: a K-split launch takes at most {MAX_SPLIT_TILES} tiles")
+    k_tiles //= config.splits
+    if config.overlap and k_tiles % config.unroll:
         # the largest group of 16, 8 or 4 k-tiles that divides the k-tiles, else no overlap
-        fits = [u for u in (16, 8, 4) if u < config.unroll and (k // BLOCK) % u == 0]
+        fits = [u for u in (16, 8, 4) if u < config.unroll and k_tiles % u == 0]
         config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False)
     return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms(device), tvm_ffi=tvm_ffi)
 
