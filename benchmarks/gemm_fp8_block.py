@@ -115,8 +115,10 @@ def split_ab(gen: torch.Generator, shapes: set | None, ms: list[int]) -> list[di
             contenders = {str(c): prob.ours_fns(c) for c in ok} | {"bf16": prob.bf16_fns()}
             med = medians(interleaved_us(contenders, rounds=3, reps=15))
             best = min((c for c in ok), key=lambda c: med[str(c)])
-            rows.append(dict(m=m, n=n, k=k, picked=str(picked), us=med))
-            short = lambda c: f"{c.tile_m}x{c.tile_n}/s{c.splits}"  # noqa: E731
+            rows.append({"m": m, "n": n, "k": k, "picked": str(picked), "us": med})
+
+            def short(c: fbg.TileConfig) -> str:
+                return f"{c.tile_m}x{c.tile_n}/s{c.splits}"
             print(f"M={m:4d} N={n:6d} K={k:6d}: bf16 {med['bf16']:6.1f} | picked {short(picked)} {med[str(picked)]:6.1f} | "
                   f"best {short(best)} {med[str(best)]:6.1f} (x{med[str(picked)] / med[str(best)]:.2f}) | "
                   + " ".join(f"{short(c)} {med[str(c)]:.1f}" for c in ok), flush=True)

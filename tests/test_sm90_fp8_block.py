@@ -167,12 +167,15 @@ def test_pick_config_is_valid_for_epilogue(m, epi):
 
 def test_pick_config_splits_long_runs_of_half_wave_64x64_grids():
     """K in two halves (a 2-CTA cluster) exactly for 64x64 grids beyond 16 tokens on at most half
-    the SMs with >= 56 k-tiles."""
-    split = lambda m, n, k, num_sms=132, epi=Epilogue(): fbg.pick_config(m, n, k, epi, num_sms).splits  # noqa: E731
+    the SMs with >= 56 k-tiles, in halves of whole 4-k-tile groups."""
+    def split(m, n, k, num_sms=132, epi=None):
+        return fbg.pick_config(m, n, k, epi or Epilogue(), num_sms).splits
+
     assert [split(m, 2112, 7168) for m in (1, 16, 17, 64, 128, 129)] == [1, 1, 2, 2, 2, 1]
     assert split(64, 4096, 14336) == split(64, 4096, 7168) == 2
     assert split(64, 4096, 14336, num_sms=114) == 1  # 128 CTAs would exceed the SMs
     assert split(64, 4096, 4096) == 1  # 32 k-tiles
+    assert split(32, 3584, 18944) == 1  # 148 k-tiles: halves of 74 would lose the overlapped mainloop
     assert split(64, 7168, 16384) == 1  # 112 tiles
     assert split(64, 2112, 7168, epi=Epilogue(bias=True, activation="silu", requant="fp8-block")) == 1  # 64x128
 
@@ -287,7 +290,7 @@ def test_split_configs_compile_for_sm90a_to_a_cluster_sum(tmp_path):
     ``mapa`` per peer), between cluster barriers."""
     jobs = [(cfg, epi) for cfg in SPLITS for epi in (Epilogue(), EPILOGUES[1], EPILOGUES[5]) if _valid(cfg, epi)]
     for i, (cfg, epi) in enumerate(jobs):
-        ptx = _ptx(tmp_path, f"split{i}", lambda opts: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
+        ptx = _ptx(tmp_path, f"split{i}", lambda opts, cfg=cfg, epi=epi: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
         assert "wgmma.mma_async.sync.aligned" in ptx and "cp.async.bulk.tensor" in ptx, (cfg, epi)
         per_thread = cfg.tile_m * cfg.tile_n // (128 * cfg.consumer_warpgroups)
         assert ptx.count("ld.shared::cluster.v4.b32") == (cfg.splits - 1) * per_thread // 4, (cfg, epi)

@@ -770,11 +770,12 @@ def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue(), num_sms
     of ``num_sms`` SMs; set to ``tile_n = 128`` where the epilogue needs full 128-column groups
     (swiglu, requant).
 
-    Beyond 16 tokens, a 64x64 grid that fills at most half the SMs with runs of >= 56 k-tiles
-    splits K in two, the halves meeting in a 2-CTA cluster (H100, session 33, 3 interleaved rounds:
-    2112x7168 at 32-128 tokens 7-9 % faster, 4096x14336 at 64 tokens 5 %, 4096x7168 at 64 tokens
-    1 % slower). More splits lose: a cluster launch packs its CTAs into one GPC, so at one CTA per
-    SM only ~32 clusters of 4 run at once (33 tiles of 2112x7168 take two waves, 30 % slower)."""
+    Beyond 16 tokens, a 64x64 grid that fills at most half the SMs with runs of >= 56 k-tiles (a
+    multiple of 8) splits K in two, the halves meeting in a 2-CTA cluster (H100, session 33, 3
+    interleaved rounds: 2112x7168 at 32-128 tokens 7-9 % faster, 4096x14336 at 64 tokens 5 %,
+    4096x7168 at 64 tokens 1 % slower). More splits lose: a cluster launch packs its CTAs into one
+    GPC, so at one CTA per SM only ~31 clusters of 4 run at once (33 tiles of 2112x7168 take two
+    waves, 30 % slower)."""
     for max_m, cfg in _DISPATCH.get((n, k), _DEFAULT):
         if m <= max_m:
             break
@@ -788,7 +789,7 @@ def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue(), num_sms
         cfg = replace(cfg, early_bias=False)
     tiles, k_tiles = -(-m // 64) * -(-n // 64), k // BLOCK
     if (cfg.tile_m, cfg.tile_n, cfg.cluster_m * cfg.cluster_n) == (64, 64, 1) and m > 16 and 2 * tiles <= num_sms \
-            and k_tiles >= 56 and k_tiles % 2 == 0:
+            and k_tiles >= 56 and k_tiles % 8 == 0:  # halves of whole 4-k-tile overlap groups, as measured
         cfg = replace(cfg, splits=2)
     return cfg
 

@@ -102,8 +102,7 @@ def dsl_cluster():
     import types
 
     import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Float32, Int32, cute
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
