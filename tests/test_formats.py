@@ -40,6 +40,17 @@ def test_e2m1_matches_float64_nearest_even():
     assert torch.equal(codecs.e2m1_decode(codecs.e2m1_encode(x.float())).double(), ref)
 
 
+def test_e2m1_decode_every_byte_from_its_bits():
+    """Every uint8: sign bit 3, exponent bits 2-1, mantissa bit 0 of the low nibble (exponent 0:
+    subnormal ``m/2``, else ``2^(e-1)(1 + m/2)``); the high nibble ignored; code 8 is -0.0."""
+    got = codecs.e2m1_decode(torch.arange(256, dtype=torch.uint8))
+    for byte in range(256):
+        e, m, negative = (byte >> 1) & 3, byte & 1, bool(byte & 8)
+        mag = m / 2 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+        assert got[byte].item() == (-mag if negative else mag)
+        assert math.copysign(1.0, got[byte].item()) == (-1.0 if negative else 1.0)
+
+
 def test_nibble_packing_low_nibble_is_even_index():
     codes = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
     packed = codecs.pack_nibbles(codes)
