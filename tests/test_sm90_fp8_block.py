@@ -309,6 +309,40 @@ def test_act_quant_compiles_for_sm90a(tmp_path):
         assert "rcp.rn.f32" in ptx and "copysign.f32" in ptx and ptx.count("div.rn.f32") == 4 + rms
 
 
+def test_pdl_configs_compile_for_sm90a(tmp_path):
+    """Programmatic dependent launch: every GEMM CTA lets the next kernel launch as it starts, the
+    producer waits for the previous kernel once (after the first weight stages) and the consumers
+    once; the activation quantization triggers and waits once; without ``pdl`` neither appears."""
+    jobs = [(fbg.TileConfig(64, 64, pdl=True), Epilogue()), (fbg.TileConfig(64, 64, splits=2, pdl=True), EPILOGUES[1]),
+            (fbg.TileConfig(128, 128, 1, 2, raster=4, unroll=16, defer_epilogue=False, pdl=True), EPILOGUES[1]),
+            (fbg.TileConfig(64, 64), Epilogue())]
+    for i, (cfg, epi) in enumerate(jobs):
+        if not _valid(cfg, epi):
+            epi = Epilogue()
+        ptx = _ptx(tmp_path, f"pdl{i}", lambda opts, cfg=cfg, epi=epi: fbg.compile_gemm(cfg, epi, arch="sm_90a", options=opts))
+        assert ptx.count("griddepcontrol.launch_dependents") == cfg.pdl and ptx.count("griddepcontrol.wait") == 2 * cfg.pdl, cfg
+    for rms in (False, True):
+        ptx = _ptx(tmp_path, f"aqpdl{rms}", lambda opts, rms=rms: aq.compile_act_quant(rms, pdl=True, arch="sm_90a", options=opts))
+        assert ptx.count("griddepcontrol.launch_dependents") == 1 and ptx.count("griddepcontrol.wait") == 1
+
+
+def test_linear_launches_both_kernels_as_programmatic_dependents_at_17_to_64_tokens(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fgv, "use_gemv", lambda *a: False)
+    monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
+    monkeypatch.setattr(aq, "act_quant", lambda x, rows, pdl: (seen.append(("act_quant", rows, pdl)), (x, x))[1])
+    monkeypatch.setattr(fbg, "fp8_block_gemm", lambda *a, config, m, **kw: seen.append(("gemm", m, config.pdl)))
+    w = torch.zeros(4096, 4096)
+    for m in (16, 17, 64, 65, 4096):
+        fbg.fp8_block_linear(torch.zeros(m, 4096), w, None)
+    assert [pdl for *_, pdl in seen] == [False, False, True, True, True, True, False, False, False, False]
+    assert [r for name, r, _ in seen if name == "act_quant"] == [16, 64, 64, 128, 4096]  # whole token tiles past 16
+    seen.clear()
+    fbg.fp8_block_linear(torch.zeros(64, 4096), w, None, pdl=False)
+    fbg.fp8_block_linear(torch.zeros(128, 4096), w, None, pdl=True)
+    assert [pdl for *_, pdl in seen] == [False, False, True, True]
+
+
 # ----------------------------------------------------------------------------- CPU: decode GEMV
 GEMV_EPILOGUES = [Epilogue(), Epilogue(bias=True, activation="gelu_tanh", residual=True),
                   Epilogue(bias=True, activation="swiglu"), Epilogue(activation="relu")]
@@ -797,6 +831,41 @@ def test_gemm_rows_argument_is_checked():
         fbg.fp8_block_gemm(x, torch.ones(4, 1), torch.zeros(64, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), m=5)
     with pytest.raises(ValueError, match="rows=3 is fewer than the 4 rows of x"):
         aq.act_quant(torch.zeros(4, 128, dtype=torch.bfloat16), rows=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [7, 64, 129, 1000])
+def test_gpu_pdl_linear_chain_equals_the_plain_launches(m):
+    """Six fp8-block linears, each quantizing the previous one's output, with both kernels as
+    programmatic dependents (``pdl``) and without: bit-identical outputs, eager and replayed from
+    a CUDA graph (a missing wait would read a partly written input)."""
+    from dataclasses import replace as dc_replace
+
+    gen = torch.Generator("cuda").manual_seed(m)
+    n = 2048
+    weights = [fp8.quantize(torch.randn(n, n, generator=gen, device="cuda") * 0.03, (128, 128)) for _ in range(6)]
+    x0 = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def chain(pdl):
+        y = x0
+        for wq, ws in weights:
+            cfg = dc_replace(fbg.pick_config(m, n, n), pdl=pdl)
+            rows = -(-m // cfg.tile_m) * cfg.tile_m if m > 16 else m
+            y = fbg.fp8_block_gemm(*aq.act_quant(y, rows=rows, pdl=pdl), wq, ws, config=cfg, m=m)
+        return y
+
+    outs = {}
+    for pdl in (False, True):
+        eager = chain(pdl)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain(pdl)
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = (eager, captured)
+    assert not outs[True][0].isnan().any()
+    assert all(torch.equal(outs[False][0], t) for t in (outs[False][1], *outs[True]))
 
 
 @pytest.mark.gpu

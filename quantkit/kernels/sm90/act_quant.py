@@ -92,8 +92,9 @@ def act_quant_reference(x: torch.Tensor, norm_weight: torch.Tensor | None = None
 class ActQuantSm90:
     """bf16 -> fp8-block activation quantization (optionally after RMSNorm); call through ``cute.compile``."""
 
-    def __init__(self, rmsnorm: bool):
+    def __init__(self, rmsnorm: bool, pdl: bool = False):
         self.rmsnorm = rmsnorm
+        self.pdl = pdl  # programmatic dependent launch: starts before the previous kernel ends, lets the next start
 
     @cute.jit
     def __call__(
@@ -117,11 +118,14 @@ class ActQuantSm90:
         mQ = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, q_ptr, gmem, assumed_align=16), cute.make_layout((m, k), stride=(k, 1)))
         mS = cute.make_tensor(cute.make_ptr(cutlass.Float32, s_ptr, gmem, assumed_align=16), cute.make_layout((m, k // GROUP), stride=(1, ld)))
         grid = (m, (k // GROUP + span - 1) // span, 1)
-        self.kernel(mX, mW, mQ, mS, span, eps).launch(grid=grid, block=(32 * _WARPS, 1, 1), stream=stream)
+        self.kernel(mX, mW, mQ, mS, span, eps).launch(grid=grid, block=(32 * _WARPS, 1, 1), stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, span: cutlass.Int32,
                eps: cutlass.Float32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel (the GEMM) may launch now
+            cute.arch.griddepcontrol_wait()  # the previous kernel wrote x
         tidx, _, _ = cute.arch.thread_idx()
         row, chunk, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -189,7 +193,7 @@ class ActQuantSm90:
             mS[row, g] = scale
 
 
-def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
+def compile_act_quant(rmsnorm: bool, *, pdl: bool = False, tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled :class:`ActQuantSm90` (through :mod:`quantkit.kernels.cache`); the executor takes
     ``(x, norm_weight, q, scale)`` data pointers, ``M``, the scales' leading dimension, ``K``, the groups per CTA (``K/128`` with
     RMSNorm), ``eps`` and a ``cuda.CUstream`` (with
@@ -198,23 +202,24 @@ def compile_act_quant(rmsnorm: bool, *, tvm_ffi: bool = False, arch: str | None 
 
     from quantkit.kernels.cache import compile_kernel
 
-    return compile_kernel(("sm90.act_quant", rmsnorm), ActQuantSm90(rmsnorm), 0, 0, 0, 0, 1, 4, GROUP, 1, 1e-6,
+    return compile_kernel(("sm90.act_quant", rmsnorm, pdl), ActQuantSm90(rmsnorm, pdl), 0, 0, 0, 0, 1, 4, GROUP, 1, 1e-6,
                           make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 @functools.lru_cache(maxsize=None)
-def _executor(rmsnorm: bool, tvm_ffi: bool):
+def _executor(rmsnorm: bool, pdl: bool, tvm_ffi: bool):
     """:func:`compile_act_quant`'s executor, cached: the per-call host path is a dict lookup."""
-    return compile_act_quant(rmsnorm, tvm_ffi=tvm_ffi)
+    return compile_act_quant(rmsnorm, pdl=pdl, tvm_ffi=tvm_ffi)
 
 
 def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
-              rows: int | None = None):
+              rows: int | None = None, pdl: bool = False):
     """fp8-block quantization of bf16 ``x[M, K]`` (K divisible by 128) on the GPU, optionally
     after RMSNorm with bf16 ``norm_weight[K]``: returns (float8_e4m3fn ``[M, K]``, FP32 scales
     ``[M, K/128]`` M-major), equal to :func:`act_quant_reference`. With ``rows`` (>= M) both
     come back ``rows`` high with the rows past M unwritten: the operands of a GEMM that reads whole
-    token tiles (:func:`.fp8_block_gemm.fp8_block_gemm` with ``m=M``)."""
+    token tiles (:func:`.fp8_block_gemm.fp8_block_gemm` with ``m=M``). ``pdl``: launched as a
+    programmatic dependent of the previous kernel on the stream, letting the next one launch early."""
     m, k = x.shape
     rows = m if rows is None else rows
     if x.dtype != torch.bfloat16 or k % GROUP:
@@ -231,7 +236,7 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
     x = x.contiguous()
     w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
     tvm_ffi = use_tvm_ffi()
-    fn = _executor(norm_weight is not None, tvm_ffi)
+    fn = _executor(norm_weight is not None, pdl, tvm_ffi)
     span = k // GROUP if w is not None or m > SPLIT_ROWS else _WARPS
     fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, ld, k, span, eps,
        launch_stream(x.device, tvm_ffi))
