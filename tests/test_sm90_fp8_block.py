@@ -839,8 +839,6 @@ def test_gpu_pdl_linear_chain_equals_the_plain_launches(m):
     """Six fp8-block linears, each quantizing the previous one's output, with both kernels as
     programmatic dependents (``pdl``) and without: bit-identical outputs, eager and replayed from
     a CUDA graph (a missing wait would read a partly written input)."""
-    from dataclasses import replace as dc_replace
-
     gen = torch.Generator("cuda").manual_seed(m)
     n = 2048
     weights = [fp8.quantize(torch.randn(n, n, generator=gen, device="cuda") * 0.03, (128, 128)) for _ in range(6)]
@@ -849,7 +847,7 @@ def test_gpu_pdl_linear_chain_equals_the_plain_launches(m):
     def chain(pdl):
         y = x0
         for wq, ws in weights:
-            cfg = dc_replace(fbg.pick_config(m, n, n), pdl=pdl)
+            cfg = replace(fbg.pick_config(m, n, n), pdl=pdl)
             rows = -(-m // cfg.tile_m) * cfg.tile_m if m > 16 else m
             y = fbg.fp8_block_gemm(*aq.act_quant(y, rows=rows, pdl=pdl), wq, ws, config=cfg, m=m)
         return y
