@@ -505,10 +505,10 @@ class Fp8BlockGemmSm90:
             sched.advance_to_next_work()
             work = sched.get_current_work()
         if cutlass.const_expr(self.splits > 1):  # one tile per CTA: its splits meet, split 0 finishes it
-            self.epi_barrier.arrive_and_wait()  # every consumer warpgroup's WGMMAs have read the operand stages
             _, split, _ = cute.arch.block_idx()
             acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
-            if split_k.dsl_cluster().cluster_sum(acc_flat, part, split, self.splits, ctid, self.num_mma_threads) != 0:
+            if split_k.dsl_cluster().cluster_sum(acc_flat, part, split, self.splits, ctid, self.num_mma_threads,
+                                                 self.epi_barrier.arrive_and_wait) != 0:
                 self._finish_tile(acc, prev_tm, prev_tn, *epi)
             cute.arch.cluster_wait()  # split 0 has read the peers' partials: their shared memory may go
         elif cutlass.const_expr(self.cfg.defer_epilogue):
@@ -970,9 +970,15 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     if fp8_block_gemv.use_gemv(m, n, k, epilogue, num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
     pdl = 16 < m <= 64 if pdl is None else pdl
-    config = replace(pick_config(m, n, k, epilogue, num_sms(x.device)), pdl=pdl)
+    config = _linear_config(m, n, k, epilogue, num_sms(x.device), pdl)
     rows = -(-m // config.tile_m) * config.tile_m if m > 16 else m  # the padded M stays in its dispatch bucket
     return fp8_block_gemm(*act_quant(x, rows=rows, pdl=pdl), w, w_scale, epilogue, bias, residual, config=config, m=m)
+
+
+@functools.lru_cache(maxsize=4096)  # the eager per-call path: a dict lookup, not a dataclass copy
+def _linear_config(m: int, n: int, k: int, epilogue: Epilogue, sms: int, pdl: bool) -> TileConfig:
+    """:func:`pick_config`'s tile with ``pdl`` set, for :func:`fp8_block_linear`."""
+    return replace(pick_config(m, n, k, epilogue, sms), pdl=pdl)
 
 
 @kernel_op("quantkit::fp8_block_linear")

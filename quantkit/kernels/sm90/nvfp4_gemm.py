@@ -912,11 +912,11 @@ def _kernel_class():
             split 0 adds them to its own in split order (the turnstile's sums, bit for bit) and
             returns 1 (the others 0). Every consumer thread arrives once more on the cluster
             barrier, after the reads; :meth:`epilogue` waits on it before the CTA exits."""
-            if cutlass.const_expr(self.wgs == 2):
-                epi_bar.arrive_and_wait()  # both warpgroups' last WGMMAs have read the activation stages
+            # with two warpgroups, both warpgroups' last WGMMAs must have read the activation stages
+            barrier = epi_bar.arrive_and_wait if self.wgs == 2 else (lambda: None)
             return split_k.dsl_cluster().cluster_sum(cute.make_tensor(acc.iterator, cute.make_layout(self.acc_n)),
                                                      cute.recast_ptr(storage.sX.data_ptr(), dtype=Float32), bz,
-                                                     self.cfg.splits, tid_c, 128 * self.wgs)
+                                                     self.cfg.splits, tid_c, 128 * self.wgs, barrier)
 
         @cute.jit
         def store(self, acc, thr_mma, storage, epi_bar, ct, wg, rb, bx, by, mExp, mXs, mGs, mOut, mBias, mRes,

@@ -89,11 +89,12 @@ def dsl_cluster():
 
     * ``ld_dsmem_f32(smem_addr, rank)``: the FP32 at shared address ``smem_addr`` of the cluster's
       CTA ``rank`` (``mapa`` + ``ld.shared::cluster``);
-    * ``cluster_sum(vals, part, split, splits, tid, threads) -> Int32``, called by every reducing
-      thread of every CTA of the cluster (cluster rank = ``split``) once its mainloop no longer
-      reads the shared memory at ``part`` (an FP32 shared-memory pointer, 16-byte aligned, room for
-      ``threads`` x ``n`` values): ``vals`` is the thread's FP32 partial (register tensor ``[n]``,
-      ``n % 4 == 0``). Splits 1.. store it there, 16 bytes at a time, thread-interleaved (no bank
+    * ``cluster_sum(vals, part, split, splits, tid, threads, barrier) -> Int32``, called by every
+      reducing thread of every CTA of the cluster (cluster rank = ``split``) after its mainloop:
+      ``barrier()`` (a callable synchronizing the CTA's reducing threads) runs first, so that no
+      mainloop still reads the shared memory at ``part`` (an FP32 shared-memory pointer, 16-byte
+      aligned, room for ``threads`` x ``n`` values); ``vals`` is the thread's FP32 partial (register
+      tensor ``[n]``, ``n % 4 == 0``). Splits 1.. store it there, 16 bytes at a time, thread-interleaved (no bank
       conflicts); split 0 loads each peer's in turn (16-byte ``ld.shared::cluster``, a peer's loads
       all in flight at once), adds them in split order and returns 1 (the others 0). Every thread
       arrives once more on the cluster barrier after the reads: each CTA must
@@ -115,7 +116,8 @@ def dsl_cluster():
 
     @cute.jit
     def cluster_sum(vals: cute.Tensor, part: cute.Pointer, split: Int32, splits: cutlass.Constexpr[int], tid: Int32,
-                    threads: cutlass.Constexpr[int]) -> Int32:
+                    threads: cutlass.Constexpr[int], barrier) -> Int32:
+        barrier()
         n = cute.size(vals)
         # value i of thread t at float (i // 4) * 4 * threads + 4 * t + i % 4
         layout = cute.make_layout(((4, n // 4), threads), stride=((1, 4 * threads), 4))
