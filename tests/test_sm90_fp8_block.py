@@ -326,17 +326,17 @@ def test_pdl_configs_compile_for_sm90a(tmp_path):
         assert ptx.count("griddepcontrol.launch_dependents") == 1 and ptx.count("griddepcontrol.wait") == 1
 
 
-def test_linear_launches_both_kernels_as_programmatic_dependents_at_17_to_64_tokens(monkeypatch):
+def test_linear_launches_both_kernels_as_programmatic_dependents_at_17_to_128_tokens(monkeypatch):
     seen = []
     monkeypatch.setattr(fgv, "use_gemv", lambda *a: False)
     monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
     monkeypatch.setattr(aq, "act_quant", lambda x, rows, pdl: (seen.append(("act_quant", rows, pdl)), (x, x))[1])
     monkeypatch.setattr(fbg, "fp8_block_gemm", lambda *a, config, m, **kw: seen.append(("gemm", m, config.pdl)))
     w = torch.zeros(4096, 4096)
-    for m in (16, 17, 64, 65, 4096):
+    for m in (16, 17, 64, 65, 128, 129, 4096):
         fbg.fp8_block_linear(torch.zeros(m, 4096), w, None)
-    assert [pdl for *_, pdl in seen] == [False, False, True, True, True, True, False, False, False, False]
-    assert [r for name, r, _ in seen if name == "act_quant"] == [16, 64, 64, 128, 4096]  # whole token tiles past 16
+    assert [pdl for *_, pdl in seen] == [False] * 2 + [True] * 8 + [False] * 4
+    assert [r for name, r, _ in seen if name == "act_quant"] == [16, 64, 64, 128, 128, 256, 4096]  # whole token tiles past 16
     seen.clear()
     fbg.fp8_block_linear(torch.zeros(64, 4096), w, None, pdl=False)
     fbg.fp8_block_linear(torch.zeros(128, 4096), w, None, pdl=True)

@@ -957,11 +957,12 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     loads of a tile partly past M run slowly: H100, session 25, the GEMM on tile-padded rows 4096x14336
     at M = 65 33 µs against 52, at M = 129 48 against 68; 6144x4096 at M = 17 12 against 17;
     28672x4096 at M = 17-100 within 2 µs either way; H200, session 26, the whole linear on Llama-3-8B
-    shapes at M = 17-200: as fast to 1.66x faster than on x's own rows). At 17-64 tokens both
+    shapes at M = 17-200: as fast to 1.66x faster than on x's own rows). At 17-128 tokens both
     kernels launch as programmatic dependents (``TileConfig.pdl``): the GEMM's prologue and first
     weight stages overlap the quantization, and the quantization's launch the kernel before it
-    (H100, session 33, CUDA graphs: the linear 5-27 % faster at 64 tokens on five Llama-3 and
-    DeepSeek-V3 weights, outputs bit-identical); ``pdl`` overrides that choice (beyond 16 tokens)."""
+    (H100, CUDA graphs, five Llama-3 and DeepSeek-V3 weights, outputs bit-identical: the linear
+    5-32 % faster at 32-64 tokens, 0-16 % at 96-128; at 512 -2 to +5 %, so plain launches there);
+    ``pdl`` overrides that choice (beyond 16 tokens)."""
     from quantkit.kernels.sm90 import fp8_block_gemv
     from quantkit.kernels.sm90.act_quant import act_quant
 
@@ -969,7 +970,7 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     n = w.shape[0]
     if fp8_block_gemv.use_gemv(m, n, k, epilogue, num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
-    pdl = 16 < m <= 64 if pdl is None else pdl
+    pdl = 16 < m <= 128 if pdl is None else pdl
     config = _linear_config(m, n, k, epilogue, num_sms(x.device), pdl)
     rows = -(-m // config.tile_m) * config.tile_m if m > 16 else m  # the padded M stays in its dispatch bucket
     return fp8_block_gemm(*act_quant(x, rows=rows, pdl=pdl), w, w_scale, epilogue, bias, residual, config=config, m=m)
