@@ -344,9 +344,10 @@ def test_cluster_split_configs():
         short = {(n, k, e.activation): ng.pick_config(m, n, k, e, False) for n, k in
                  ((6144, 4096), (5120, 4096), (4096, 4096), (3072, 4096), (4608, 3584), (3584, 3584), (2048, 4096),
                   (8192, 1024), (4096, 14336)) for e in (epi, swiglu)}
+        # 17-32 tokens (one 32-token tile): one warpgroup at half the turnstile's splits
+        halved = [(1, 4, False), (1, 1, False), (1, 4, False)] if m > 16 else [(2, 8, False), (2, 2, False), (2, 8, False)]
         assert [(c.warpgroups, c.splits, c.cluster) for (*_, act), c in short.items() if act == "identity"] == [
-            (1, 1, False), (1, 1, False), (1, 2, True), (1, 2, True), (1, 1, False), (1, 2, True), (2, 8, False),
-            (2, 2, False), (2, 8, False)]
+            (1, 1, False), (1, 1, False), (1, 2, True), (1, 2, True), (1, 1, False), (1, 2, True), *halved]
         assert [(c.splits, c.cluster) for (*_, act), c in short.items() if act == "swiglu"][:3] == [
             (2, True), (2, True), (8, False)]  # two warpgroups: 4096x4096's 64 CTAs fill under half the SMs
         for (n, k, act), c in short.items():
@@ -361,15 +362,20 @@ def test_cluster_split_configs():
         for e in (epi, swiglu):
             c = ng.pick_config(32, n, k, e, False)
             c.check(e, False)
-            assert (c.warpgroups, c.splits, c.cluster) == ((2, 2, True) if k <= 8192 else (2, c.splits, False))
+            turnstile = (1, 4, False) if (n, e.activation) == (4096, "identity") else (2, c.splits, False)
+            assert (c.warpgroups, c.splits, c.cluster) == ((2, 2, True) if k <= 8192 else turnstile)
             assert ng.pick_config(16, n, k, e, False).stages == 4  # not at 16 tokens
     # other two-warpgroup 16-32-token turnstile grids: a cluster where its packing (2 CTAs per SM in
     # a GPC) and its one-wave limit (~94 % of those slots) cost nothing: more CTAs than SMs and
-    # under 90 % of 2 per SM (224), or over 2 per SM (320); not at 256 or at <= 132 CTAs
+    # under 90 % of 2 per SM (224), or over 2 per SM (320); not at 256 or at <= 132 CTAs. At 24-32
+    # tokens, runs of <= 16 k-tiles take one-warpgroup CTAs at half the splits (as many CTAs), turnstile
     for m in (16, 24, 32):
         for (n, k), total in {(3584, 18944): 224, (14336, 4096): 224, (10240, 8192): 320, (8192, 28672): 256,
                               (4096, 14336): 256, (2048, 4096): 128, (1024, 4096): 64}.items():
             c = ng.pick_config(m, n, k, epi, False)
+            if m > 16 and k // ng.BK * (n // 128) // total <= 16:
+                assert (c.warpgroups, c.stages, n // 64 * c.splits, c.cluster) == (1, 4, total, False), (n, k, m)
+                continue
             assert (c.warpgroups, c.stages, n // 128 * c.splits) == (2, 4, total)
             assert c.cluster == (total in (224, 320)), (n, k, m)
     assert all(c.stages * ng.stage_bytes(c.bn, c.warpgroups, False) > ng._SMEM // 2 for c in rule.values() if c.cluster)
@@ -452,12 +458,12 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
 
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
-    """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes at
-    16-64 tokens (4-16 stages; SwiGLU's with its exchange) compiles for sm_90a to WGMMA, with
-    cluster barriers and no turnstile where it is a cluster."""
+    """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes
+    (and Qwen2.5-7B's down_proj) at 16-64 tokens (4-16 stages; SwiGLU's with its exchange) compiles
+    for sm_90a to WGMMA, with cluster barriers and no turnstile where it is a cluster."""
     pytest.importorskip("cutlass")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
-              (57344, 8192), (8192, 28672)]
+              (57344, 8192), (8192, 28672), (3584, 18944)]
     cases = sorted({(c, e.activation) for n, k in shapes for m in (16, 24, 32, 48, 64)
                     for e in (Epilogue(), Epilogue(activation="swiglu"))
                     for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
@@ -771,7 +777,7 @@ def test_gpu_cluster_split_equals_turnstile_and_float64(mode, config, m, epi):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,epi", [(24, 14336, 4096, Epilogue(bias=True)),  # 224 CTAs, clusters of 2
+@pytest.mark.parametrize("m,n,k,epi", [(24, 14336, 6144, Epilogue(bias=True)),  # 224 CTAs, clusters of 2
                                        (16, 10240, 8192, Epilogue(activation="swiglu")),  # 320 CTAs, clusters of 4
                                        (32, 3584, 18944, Epilogue(residual=True))])  # 224 CTAs, clusters of 8
 def test_gpu_two_warpgroup_split_clusters_match_float64(m, n, k, epi):
@@ -780,6 +786,21 @@ def test_gpu_two_warpgroup_split_clusters_match_float64(m, n, k, epi):
     config = ng.pick_config(m, n, k, epi, False)
     assert config.cluster and config.stages == 4 and config.warpgroups == 2
     out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16", config=config)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,epi", [(32, 4096, 14336, Epilogue(bias=True)),  # 64 CTAs x 4 splits
+                                       (24, 10240, 8192, Epilogue(activation="silu", residual=True)),  # 160 x 2
+                                       (32, 14336, 4096, Epilogue(bias=True, residual=True)),  # 224 unsplit
+                                       (17, 1024, 4096, Epilogue(activation="gelu_tanh"))])  # 16 x 4
+def test_gpu_halved_split_one_warpgroup_grids_match_float64(m, n, k, epi):
+    """24-32-token grids whose two-warpgroup splits would run <= 16 k-tiles: the rule's
+    one-warpgroup CTAs at half the splits (turnstile) match float64 through the default route."""
+    config = ng.pick_config(m, n, k, epi, False)
+    assert config.warpgroups == 1 and config.stages == 4 and not config.cluster
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 

@@ -407,6 +407,9 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
     * 32-token runs of 8-16 k-tiles on 2/3 to one wave of CTAs per split: 2 splits as clusters of
       SM-filling CTAs (five weights of 5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile
       runs +5 %, left out);
+    * 24-32 tokens, other runs of <= 16 k-tiles (no SwiGLU): one-warpgroup CTAs at half the splits,
+      as many CTAs with runs twice as long, turnstile, 4 stages (session 34: 1024-14336 x
+      4096-14336 weights 3-22 % faster; on 18- and 56-k-tile runs 3-8 % slower, left out);
     * otherwise the turnstile's grid, its splits meeting in a cluster where the grid has more CTAs
       than SMs and fewer than 90 % of two per SM, or more than two per SM (10240x8192, 3584x18944,
       14336x4096: 0-17 % faster; at 256 CTAs 21-40 % slower, at <= 128 up to 24 % slower). The
@@ -414,15 +417,19 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
       these kernels' registers allow, and beyond ~94 % of those slots its last clusters wait for a
       second wave (ncu)."""
     ctas = rows // 2 * m_tiles
+    swiglu = epilogue.activation == "swiglu"
     if k_tiles // splits <= 7:
-        wgs = 2 if epilogue.activation == "swiglu" else 1
+        wgs = 2 if swiglu else 1
         one_ctas = rows // wgs * m_tiles
         one_splits = 2 if 2 * one_ctas <= num_sms else 1
         if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
             return wgs, one_splits, min(16, max_stages(bn, wgs, False, epilogue=epilogue)), one_splits > 1
-        return 2, splits, 4, False
-    if bn == 32 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
+    elif bn == 32 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
         return 2, 2, min(16, max_stages(bn, 2, False, epilogue=epilogue)), True
+    if bn == 32 and not swiglu and splits >= 2 and k_tiles // splits <= 16:
+        return 1, splits // 2, 4, False
+    if k_tiles // splits <= 7:
+        return 2, splits, 4, False
     total = ctas * splits
     return 2, splits, 4, 1 < splits <= 8 and num_sms < total and not 0.9 * 2 * num_sms < total <= 2 * num_sms
 
