@@ -567,6 +567,20 @@ def short_tile_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.
             "64-token rule": ng.pick_config(64, n_pad, k, Epilogue(), False)}
 
 
+def halved_split_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
+    """Configs that ``--halved-ab`` times for a 17-32-token problem the rule runs as one-warpgroup
+    CTAs at half the K-splits (session 34): the rule's, and the two-warpgroup grid with twice its
+    splits that it replaced, through the turnstile and (<= 8 splits) as a cluster. Empty elsewhere."""
+    rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
+    if (rule.bn, rule.warpgroups, rule.stages, rule.cluster) != (32, 1, 4, False):
+        return {}
+    two = ng.Config(32, 2, 4, 2 * rule.splits)
+    configs = {"rule": rule, f"2 warpgroups, {two.splits} splits": two}
+    if two.splits <= 8:
+        configs[f"2 warpgroups, {two.splits} splits, cluster"] = dataclasses.replace(two, cluster=True)
+    return configs
+
+
 def run_cluster_ab(shapes, fh, ms, contenders=cluster_contenders):
     """W4A16 at ``ms`` tokens: the configs ``contenders`` gives each problem (by default K-split
     grids through the global split-K turnstile against the same grids as thread-block clusters
@@ -758,6 +772,8 @@ def main():
                     help="only: K-split grids through the turnstile vs as clusters, at --ms")
     ap.add_argument("--short-ab", action="store_true",
                     help="only: 9-32-token rule configs vs one-warpgroup one-wave clusters and 64-token tiles, at --ms")
+    ap.add_argument("--halved-ab", action="store_true",
+                    help="only: 17-32-token one-warpgroup half-split rule configs vs the two-warpgroup grids they replaced, at --ms")
     ap.add_argument("--act-quant-sweep", action="store_true", help="only: W4A8 activation quantization variants")
     args = ap.parse_args()
     SHAPES.update({s: [tuple(int(d) for d in s.split("x"))] for s in args.shapes if s not in SHAPES})
@@ -785,6 +801,10 @@ def main():
     if args.short_ab:
         with open(out / "short.log", "w") as fh:
             (out / "short.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, short_tile_contenders), indent=1))
+        return
+    if args.halved_ab:
+        with open(out / "halved.log", "w") as fh:
+            (out / "halved.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, halved_split_contenders), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:
