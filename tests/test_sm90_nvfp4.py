@@ -367,7 +367,7 @@ def test_cluster_split_configs():
             assert ng.pick_config(16, n, k, e, False).stages == 4  # not at 16 tokens
     # other two-warpgroup 16-32-token turnstile grids: a cluster where its packing (2 CTAs per SM in
     # a GPC) and its one-wave limit (~94 % of those slots) cost nothing: more CTAs than SMs and
-    # under 90 % of 2 per SM (224), or over 2 per SM (320); not at 256 or at <= 132 CTAs. At 24-32
+    # under 90 % of 2 per SM (224), or over 2 per SM (320); not at 256 or at <= 132 CTAs. At 17-32
     # tokens, runs of <= 16 k-tiles take one-warpgroup CTAs at half the splits (as many CTAs), turnstile
     for m in (16, 24, 32):
         for (n, k), total in {(3584, 18944): 224, (14336, 4096): 224, (10240, 8192): 320, (8192, 28672): 256,
@@ -796,7 +796,7 @@ def test_gpu_two_warpgroup_split_clusters_match_float64(m, n, k, epi):
                                        (32, 14336, 4096, Epilogue(bias=True, residual=True)),  # 224 unsplit
                                        (17, 1024, 4096, Epilogue(activation="gelu_tanh"))])  # 16 x 4
 def test_gpu_halved_split_one_warpgroup_grids_match_float64(m, n, k, epi):
-    """24-32-token grids whose two-warpgroup splits would run <= 16 k-tiles: the rule's
+    """17-32-token grids whose two-warpgroup splits would run <= 16 k-tiles: the rule's
     one-warpgroup CTAs at half the splits (turnstile) match float64 through the default route."""
     config = ng.pick_config(m, n, k, epi, False)
     assert config.warpgroups == 1 and config.stages == 4 and not config.cluster

@@ -398,7 +398,7 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
     """``(warpgroups, splits, stages, cluster)`` of a W4A16 16-32-token (``bn``) grid over ``rows``
     64-row weight blocks and ``m_tiles`` token tiles, in two-warpgroup CTAs that the K-split rule
     gave ``splits`` turnstile splits of ``k_tiles // splits`` k-tiles (H100 A/Bs,
-    ``benchmarks/notes/nvfp4.md`` session 32):
+    ``benchmarks/notes/nvfp4.md`` sessions 32 and 34):
 
     * runs of <= 7 k-tiles: one wave of SM-filling one-warpgroup CTAs (SwiGLU: two), unsplit or as
       2-split clusters of >= 14 k-tiles, where they fill at least half the SMs (3072-6144 x
@@ -407,9 +407,10 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
     * 32-token runs of 8-16 k-tiles on 2/3 to one wave of CTAs per split: 2 splits as clusters of
       SM-filling CTAs (five weights of 5632-8192 x 5120-8192: -23 % to +1 %; 8192x28672's 56-k-tile
       runs +5 %, left out);
-    * 24-32 tokens, other runs of <= 16 k-tiles (no SwiGLU): one-warpgroup CTAs at half the splits,
-      as many CTAs with runs twice as long, turnstile, 4 stages (session 34: 1024-14336 x
-      4096-14336 weights 3-22 % faster; on 18- and 56-k-tile runs 3-8 % slower, left out);
+    * 17-32 tokens (the 32-token tile), other runs of <= 16 k-tiles (no SwiGLU): one-warpgroup CTAs
+      at half the splits, as many CTAs with runs twice as long, turnstile, 4 stages (session 34, 18
+      weights of 1024-18944 x 2048-28672 at 24 and 32 tokens: 4-45 % faster; on 18- and 56-k-tile
+      runs 3-8 % slower, left out);
     * otherwise the turnstile's grid, its splits meeting in a cluster where the grid has more CTAs
       than SMs and fewer than 90 % of two per SM, or more than two per SM (10240x8192, 3584x18944,
       14336x4096: 0-17 % faster; at 256 CTAs 21-40 % slower, at <= 128 up to 24 % slower). The
