@@ -418,18 +418,19 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
       these kernels' registers allow, and beyond ~94 % of those slots its last clusters wait for a
       second wave (ncu)."""
     ctas = rows // 2 * m_tiles
+    runs = k_tiles // splits  # k-tiles per turnstile split
     swiglu = epilogue.activation == "swiglu"
-    if k_tiles // splits <= 7:
+    if runs <= 7:
         wgs = 2 if swiglu else 1
         one_ctas = rows // wgs * m_tiles
         one_splits = 2 if 2 * one_ctas <= num_sms else 1
         if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
             return wgs, one_splits, min(16, max_stages(bn, wgs, False, epilogue=epilogue)), one_splits > 1
-    elif bn == 32 and k_tiles // splits <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
+    elif bn == 32 and runs <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
         return 2, 2, min(16, max_stages(bn, 2, False, epilogue=epilogue)), True
-    if bn == 32 and not swiglu and splits >= 2 and k_tiles // splits <= 16:
+    if bn == 32 and not swiglu and splits >= 2 and runs <= 16:
         return 1, splits // 2, 4, False
-    if k_tiles // splits <= 7:
+    if runs <= 7:
         return 2, splits, 4, False
     total = ctas * splits
     return 2, splits, 4, 1 < splits <= 8 and num_sms < total and not 0.9 * 2 * num_sms < total <= 2 * num_sms
