@@ -398,6 +398,7 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 64, 1, 2, Epilogue(), "cluster"),
     ("w4a16", 16, 2, 4, Epilogue(bias=True, activation="swiglu", residual=True), "cluster"),
     ("w4a8", 32, 1, 8, Epilogue(bias=True), "cluster"),
+    ("w4a16", 32, 1, 4, Epilogue(bias=True, residual=True)),  # the 17-32-token half-split rule's layout
 ]
 
 
