@@ -8,7 +8,9 @@
   prefill forwards and the steps run through ``torch.compile`` (Inductor fuses the model's
   elementwise ops; the quantized GEMMs stay opaque custom ops), as gpt-fast and vLLM run them;
   with ``fuse`` the q/k/v and gate/up projections of both models run as one GEMM each
-  (:func:`quantkit.fuse_projections`), as serving engines run them;
+  (:func:`quantkit.fuse_projections`), as serving engines run them; grouped-query attention over
+  the cache runs without copying it per query head (:func:`quantkit.nn.use_packed_gqa_attention`),
+  for both models, as serving engines' GQA kernels run it;
 * GEMMs: each linear layer of decoder layer 0 and ``lm_head`` called on ``[M, K]`` bf16 inputs:
   ``nn.Linear`` for bf16, ``QuantLinear`` (activation quantization included) for quantized models;
   on CUDA each call is a captured CUDA graph, so the time is the kernels' (host launch excluded;
@@ -30,9 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, StaticCache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    StaticCache,
+)
 
 from quantkit.eval.perplexity import model_device
+from quantkit.nn.attention import use_packed_gqa_attention
 from quantkit.nn.fuse import fuse_projections
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -314,9 +323,11 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings, log: Log = _sil
 
 
 def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings, log: Log = _silent) -> ModelBench:
-    """Prefill, decode and GEMM measurements of ``model``, reported under ``name`` (with
-    ``settings.fuse``, of the model after :func:`quantkit.fuse_projections`); ``log`` gets a line
-    per measurement as it finishes."""
+    """Prefill, decode and GEMM measurements of ``model``, reported under ``name``, after
+    :func:`quantkit.nn.use_packed_gqa_attention` (and with ``settings.fuse``
+    :func:`quantkit.fuse_projections`), both in place; ``log`` gets a line per measurement as it
+    finishes."""
+    use_packed_gqa_attention(model)
     if settings.fuse:
         fuse_projections(model)
     return ModelBench(

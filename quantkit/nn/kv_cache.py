@@ -25,7 +25,7 @@ from quantkit.formats.codecs import E4M3_MAX, e4m3_encode
 from quantkit.nn.linear import moved_only
 
 KV_CACHE_FORMATS = ("fp8",)
-_PREFIX = "quantkit_fp8_kv:"
+FP8_KV_PREFIX = "quantkit_fp8_kv:"
 
 
 def kv_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _base_attention(base: str):
     return lambda module: function
 
 
-def _register(base: str) -> str:
+def register_fp8_kv(base: str) -> str:
     """Register (once) the FP8-KV wrapper of attention implementation ``base``, and its mask
     function; returns its name."""
     from transformers import AttentionInterface
@@ -76,7 +76,7 @@ def _register(base: str) -> str:
         AttentionMaskInterface,
     )
 
-    name = _PREFIX + base
+    name = FP8_KV_PREFIX + base
     if name in AttentionInterface._global_mapping:
         return name
     if base != "eager" and base not in AttentionInterface._global_mapping:
@@ -105,8 +105,8 @@ def _device(module: nn.Module) -> torch.device:
 
 def _use_wrapper(model: nn.Module) -> None:
     current = model.config._attn_implementation or "eager"
-    if not current.startswith(_PREFIX):
-        name = _register(current)
+    if not current.startswith(FP8_KV_PREFIX):
+        name = register_fp8_kv(current)
         model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
             raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "

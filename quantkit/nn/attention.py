@@ -1,0 +1,76 @@
+"""Decode attention for grouped-query models without repeating the KV cache.
+
+transformers' ``sdpa`` attention repeats each key/value head for its ``G`` query heads
+(``repeat_kv``) whenever a mask is given and under ``torch.compile``, which is how a compiled
+decode step over a static cache runs: every step copies the whole cache ``G`` times and attends
+over the copy. At 32 sequences of 512 tokens on Llama-3.1-8B that is ~70 % of an NVFP4 step
+(``benchmarks/NOTES.md``, session 35). :func:`packed_gqa_sdpa` computes the same attention for a
+single query token by folding the ``G`` query heads of a key/value head into the query-length axis
+(``[B, H, 1, D]`` -> ``[B, H_kv, G, D]``), so SDPA reads each cached key once, as serving engines'
+GQA kernels do. Prefill (more than one query token) and features SDPA cannot take go to
+transformers' ``sdpa`` unchanged.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKED_GQA_SDPA = "quantkit_packed_gqa_sdpa"
+
+
+def packed_gqa_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [B, H, T, D]``, ``key``/``value``
+    ``[B, H_kv, S, D]`` (``H = G·H_kv``, query head ``h`` reads key head ``h // G``),
+    ``attention_mask`` boolean or additive ``[B|1, 1|H, T, S]`` or ``None``; returns ``([B, T, H, D],
+    None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` each key/value head is attended by its
+    ``G`` query heads at once, without copying the keys and values."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    groups = heads // key.shape[1]
+    if q_len != 1 or groups == 1 or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    query = query.reshape(batch, heads // groups, groups, dim)
+    if attention_mask is not None and attention_mask.shape[1] != 1:  # one mask per query head
+        attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+def _register() -> None:
+    """Register :func:`packed_gqa_sdpa` (and ``sdpa``'s mask) with transformers, once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
+
+    if PACKED_GQA_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
+        AttentionMaskInterface.register(PACKED_GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def use_packed_gqa_attention(model: nn.Module) -> bool:
+    """Switch a transformers ``model`` whose attention runs as ``sdpa`` (also inside quantkit's FP8
+    KV-cache wrapper) to :func:`packed_gqa_sdpa`, in place; the model computes the same function.
+    Returns whether it switched (``False`` for other implementations: eager, flash, flex)."""
+    from quantkit.nn.kv_cache import FP8_KV_PREFIX, register_fp8_kv
+
+    current = getattr(model.config, "_attn_implementation", None)
+    if current not in ("sdpa", FP8_KV_PREFIX + "sdpa"):
+        return False
+    _register()
+    target = PACKED_GQA_SDPA if current == "sdpa" else register_fp8_kv(PACKED_GQA_SDPA)
+    model.set_attn_implementation(target)
+    return model.config._attn_implementation == target

@@ -1,0 +1,106 @@
+"""Packed grouped-query decode attention (``quantkit.nn.attention``) against transformers' eager
+attention (``repeat_kv``, matmul, softmax) in float64, through a static KV cache as ``quantkit
+bench`` decodes."""
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StaticCache,
+)
+
+from quantkit.eval import bench
+from quantkit.nn.attention import PACKED_GQA_SDPA, use_packed_gqa_attention
+from quantkit.nn.kv_cache import FP8_KV_PREFIX, enable_kv_cache
+
+
+def tiny(arch: str) -> torch.nn.Module:
+    """A float64 decoder with 4 query heads per key/value head (Gemma-3: sliding-window layers too)."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                               max_position_embeddings=64)
+        model = Gemma3ForCausalLM(cfg)
+    return model.double().eval()
+
+
+@torch.no_grad()
+def decode_logits(model, steps: int = 4) -> torch.Tensor:
+    """``[steps + 1, 3, vocab]``: last-position logits of a 7-token prefill of 3 sequences into a
+    static cache, then of ``steps`` greedy single-token steps."""
+    prompt = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(1))
+    cache = {bench._cache_kwarg(model): StaticCache(config=model.config, max_cache_len=16)}
+    out = [model(input_ids=prompt, use_cache=True, **cache).logits[:, -1]]
+    for _ in range(steps):
+        out.append(model(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_packed_decode_equals_eager_attention_and_reads_unrepeated_keys(arch, monkeypatch):
+    model = tiny(arch)
+    model.set_attn_implementation("eager")
+    reference = decode_logits(model)
+    model.set_attn_implementation("sdpa")
+    assert use_packed_gqa_attention(model) and model.config._attn_implementation == PACKED_GQA_SDPA
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        shapes.append((q.shape, k.shape))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got = decode_logits(model)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)  # eager: softmax in FP32
+    cfg = model.config
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    decode = shapes[cfg.num_hidden_layers:]  # after the prefill's calls
+    assert len(decode) == 4 * cfg.num_hidden_layers
+    assert all(q[1:3] == (cfg.num_key_value_heads, groups) and k[1] == cfg.num_key_value_heads for q, k in decode)
+
+
+@torch.inference_mode()
+def test_compiled_packed_decode_is_one_graph_with_the_eager_tokens():
+    """``bench --compile`` decodes through the packed attention in one dynamo graph."""
+    from torch._dynamo.utils import counters
+
+    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
+    prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def tokens(compile_backend=None):
+        step, out = bench.greedy_decoder(model, prompt, 20, compile_backend=compile_backend)
+        return torch.cat([out.clone()] + [step() or out.clone() for _ in range(6)], 1)
+
+    stock = tokens()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert use_packed_gqa_attention(model)
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(tokens("aot_eager"), stock)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_fp8_kv_cache_models_keep_their_cache_quantization():
+    model = tiny("llama")
+    model.set_attn_implementation("sdpa")
+    layers = {f"model.layers.{i}.self_attn": (torch.tensor(0.004), torch.tensor(0.003)) for i in range(2)}
+    enable_kv_cache(model, layers)
+    reference = decode_logits(model)
+    assert use_packed_gqa_attention(model)
+    assert model.config._attn_implementation == FP8_KV_PREFIX + PACKED_GQA_SDPA
+    torch.testing.assert_close(decode_logits(model), reference, rtol=0, atol=1e-10)
+
+
+def test_other_attention_implementations_are_left_alone():
+    model = tiny("llama")
+    model.set_attn_implementation("eager")
+    assert not use_packed_gqa_attention(model) and model.config._attn_implementation == "eager"
