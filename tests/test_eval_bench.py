@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from quantkit.eval import bench
 from quantkit.eval.commands import bench_command
+from quantkit.nn.attention import PACKED_GQA_SDPA
 
 
 @pytest.mark.parametrize(
@@ -82,8 +83,12 @@ def test_layer0_linears_are_the_models_gemm_shapes():
     }
 
 
-def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys):
+def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
+    attention = []  # each model's attention implementation as bench_model measures it
+    real_bench_prefill = bench.bench_prefill
+    monkeypatch.setattr(bench, "bench_prefill", lambda model, *a: attention.append(
+        model.config._attn_implementation) or real_bench_prefill(model, *a))
     bench_command(
         target="nvfp4",
         random_init="tiny-llama",
@@ -100,6 +105,7 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["baseline"] == "bf16"
     assert [m["model"] for m in report["models"]] == ["bf16", "nvfp4"]
+    assert attention == [PACKED_GQA_SDPA] * 2  # both models: tiny-llama has 2 query heads per KV head
     for model in report["models"]:
         assert [(r["batch"], r["seq"]) for r in model["prefill"]] == [(1, 32), (2, 16)]
         for r in model["prefill"]:
