@@ -12,7 +12,11 @@ from transformers import (
 )
 
 from quantkit.eval import bench
-from quantkit.nn.attention import PACKED_GQA_SDPA, use_packed_gqa_attention
+from quantkit.nn.attention import (
+    PACKED_GQA_SDPA,
+    packed_gqa_sdpa,
+    use_packed_gqa_attention,
+)
 from quantkit.nn.kv_cache import FP8_KV_PREFIX, enable_kv_cache
 
 
@@ -42,6 +46,32 @@ def decode_logits(model, steps: int = 4) -> torch.Tensor:
     for _ in range(steps):
         out.append(model(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
     return torch.stack(out)
+
+
+def attention_f64(q, k, v, mask, scale):
+    """softmax(q·kᵀ·scale + mask)·v with each key/value head repeated for its query heads, written
+    out in float64: ``q [B, H, T, D]``, ``k``/``v`` ``[B, H_kv, S, D]``; returns ``[B, T, H, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mask", ["none", "shared-bool", "shared-additive", "per-head-bool"])
+def test_packed_attention_function_equals_float64_math(mask):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(3, 2, 11, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    allowed = torch.rand(3, 8 if mask == "per-head-bool" else 1, 1, 11, generator=gen) > 0.3
+    allowed[..., 0] = True
+    m = {"none": None, "shared-bool": allowed, "per-head-bool": allowed,
+         "shared-additive": torch.where(allowed, 0.0, -1e4).double()}[mask]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    out, _ = packed_gqa_sdpa(module, q, k, v, m, scaling=0.3)
+    torch.testing.assert_close(out, attention_f64(q, k, v, m, 0.3), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -31,18 +31,19 @@ def packed_gqa_sdpa(
     """transformers' attention-function signature: ``query [B, H, T, D]``, ``key``/``value``
     ``[B, H_kv, S, D]`` (``H = G·H_kv``, query head ``h`` reads key head ``h // G``),
     ``attention_mask`` boolean or additive ``[B|1, 1|H, T, S]`` or ``None``; returns ``([B, T, H, D],
-    None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` each key/value head is attended by its
-    ``G`` query heads at once, without copying the keys and values."""
+    None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` with one mask for all heads, each
+    key/value head is attended by its ``G`` query heads at once, without copying the keys and
+    values; otherwise transformers' ``sdpa`` computes it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
-    if q_len != 1 or groups == 1 or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions")):
+    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
+    if (q_len != 1 or groups == 1 or per_head_mask
+            or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    query = query.reshape(batch, heads // groups, groups, dim)
-    if attention_mask is not None and attention_mask.shape[1] != 1:  # one mask per query head
-        attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
+    query = query.reshape(batch, heads // groups, groups, dim)  # [B, H_kv, G, D]: the mask broadcasts over G
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
     return out.reshape(batch, 1, heads, value.shape[-1]), None
