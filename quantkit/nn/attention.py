@@ -1,10 +1,11 @@
 """Decode attention for grouped-query models without repeating the KV cache.
 
 transformers' ``sdpa`` attention repeats each key/value head for its ``G`` query heads
-(``repeat_kv``) whenever a mask is given and under ``torch.compile``, which is how a compiled
-decode step over a static cache runs: every step copies the whole cache ``G`` times and attends
-over the copy. At 32 sequences of 512 tokens on Llama-3.1-8B that is ~70 % of an NVFP4 step
-(``benchmarks/NOTES.md``, session 35). :func:`packed_gqa_sdpa` computes the same attention for a
+(``repeat_kv``) whenever a mask is given (transformers 5.2x skips that for one query token, but
+not under ``torch.compile``), which is how a compiled decode step over a static cache runs: every
+step copies the whole cache ``G`` times and attends over the copy. At 32 sequences of 512 tokens
+on Llama-3.1-8B the copies and the attention over them take 70 % of an NVFP4 step's kernel time
+(H100, ``benchmarks/NOTES.md``, session 35). :func:`packed_gqa_sdpa` computes the same attention for a
 single query token by folding the ``G`` query heads of a key/value head into the query-length axis
 (``[B, H, 1, D]`` -> ``[B, H_kv, G, D]``), so SDPA reads each cached key once, as serving engines'
 GQA kernels do. Prefill (more than one query token) and features SDPA cannot take go to
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from quantkit.nn.kv_cache import FP8_KV_PREFIX, register_fp8_kv
 
 PACKED_GQA_SDPA = "quantkit_packed_gqa_sdpa"
 
@@ -66,8 +69,6 @@ def use_packed_gqa_attention(model: nn.Module) -> bool:
     """Switch a transformers ``model`` whose attention runs as ``sdpa`` (also inside quantkit's FP8
     KV-cache wrapper) to :func:`packed_gqa_sdpa`, in place; the model computes the same function.
     Returns whether it switched (``False`` for other implementations: eager, flash, flex)."""
-    from quantkit.nn.kv_cache import FP8_KV_PREFIX, register_fp8_kv
-
     current = getattr(model.config, "_attn_implementation", None)
     if current not in ("sdpa", FP8_KV_PREFIX + "sdpa"):
         return False
