@@ -1,6 +1,6 @@
-"""Packed grouped-query decode attention (``quantkit.nn.attention``) against transformers' eager
-attention (``repeat_kv``, matmul, softmax) in float64, through a static KV cache as ``quantkit
-bench`` decodes."""
+"""Packed grouped-query decode attention (``quantkit.nn.attention``): the function against float64
+math written out here, and whole models against transformers' eager attention (``repeat_kv``,
+matmul, softmax) in float64, through a static KV cache as ``quantkit bench`` decodes."""
 import pytest
 import torch
 from transformers import (
