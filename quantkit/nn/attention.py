@@ -53,16 +53,15 @@ def packed_gqa_sdpa(
 
 
 def _register() -> None:
-    """Register :func:`packed_gqa_sdpa` (and ``sdpa``'s mask) with transformers, once."""
+    """Register :func:`packed_gqa_sdpa` (and ``sdpa``'s mask) with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
         AttentionMaskInterface,
     )
 
-    if PACKED_GQA_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
-        AttentionMaskInterface.register(PACKED_GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
+    AttentionMaskInterface.register(PACKED_GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def use_packed_gqa_attention(model: nn.Module) -> bool:
