@@ -6,8 +6,6 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     StaticCache,
 )
 
@@ -21,19 +19,16 @@ from quantkit.nn.kv_cache import FP8_KV_PREFIX, enable_kv_cache
 
 
 def tiny(arch: str) -> torch.nn.Module:
-    """A float64 decoder with 4 query heads per key/value head (Gemma-3: sliding-window layers too)."""
-    torch.manual_seed(0)
+    """A float64 grouped-query decoder: the shipped tiny-llama (2 query heads per key/value head) or
+    a Gemma-3 with 4 query heads on one key/value head and sliding-window layers."""
     if arch == "llama":
-        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                               max_position_embeddings=64)
-        model = Gemma3ForCausalLM(cfg)
-    return model.double().eval()
+        return bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float64)
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=64)
+    return Gemma3ForCausalLM(cfg).double().eval()
 
 
 @torch.no_grad()
