@@ -1,4 +1,9 @@
-"""Dispatch adapters: the operands a GPU backend builds compute the reference function."""
+"""Dispatch adapters: the operands a GPU backend builds compute the reference function; backend
+registration."""
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -33,3 +38,24 @@ def test_dtype_casts_keep_quantized_buffers():
     assert (q.weight.dtype, q.weight_scale.dtype, q.input_scale.dtype, q.bias.dtype) == (
         torch.uint8, torch.float8_e4m3fn, torch.float32, torch.bfloat16)
     assert torch.equal(q.weight_tensor_scale, ts)
+
+
+_REGISTERED = """
+import importlib.util, sys
+if sys.argv[1] == "hidden":  # as if nvidia-cutlass-dsl were not installed
+    find_spec = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: None if name == "cutlass" else find_spec(name, *a)
+from quantkit import kernels
+print(",".join(b.name for b in kernels._BACKENDS) or "-", "cutlass" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("cutedsl", ["installed", "hidden"])
+def test_backends_register_at_import_without_loading_cutedsl(cutedsl):
+    """Importing ``quantkit.kernels`` registers the Hopper and Blackwell backends where CuTeDSL is
+    installed (so no first call, possibly traced by torch.compile, has to), without importing
+    CuTeDSL itself; where it is not installed, none."""
+    out = subprocess.run([sys.executable, "-c", _REGISTERED, cutedsl], capture_output=True, text=True,
+                         check=True).stdout.split()
+    available = cutedsl == "installed" and importlib.util.find_spec("cutlass") is not None
+    assert out == ["sm90-fp8-block,sm90-nvfp4,sm100-blockscaled" if available else "-", "False"]

@@ -1,4 +1,7 @@
 """QuantLinear on a Hopper GPU equals its CPU reference path (run with ``-m gpu`` on the H200)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -41,3 +44,21 @@ def test_quantlinear_cuda_graph_and_compile():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, q(static))
+
+
+def test_first_call_compiled_is_one_graph():
+    """A model whose first call is already under ``torch.compile`` (no eager call before it) traces
+    as one graph: nothing the backends load on first use may break it. Run in a fresh process, where
+    nothing has run yet."""
+    script = """
+import torch
+from quantkit.nn import QuantLinear
+layers = [QuantLinear.from_linear(torch.nn.Linear(1024, 1024, bias=False), f) for f in ("fp8-block", "nvfp4-w4a16", "nvfp4-w4a8")]
+model = torch.nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
+x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+with torch.inference_mode():
+    explain = torch._dynamo.explain(model)(x)
+print(explain.graph_count, explain.graph_break_count)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["1", "0"], out

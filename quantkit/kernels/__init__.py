@@ -7,6 +7,7 @@ PyTorch reference (:mod:`quantkit.kernels.reference`), which computes the same f
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ _BACKENDS: list[Backend] = []
 
 
 def register_backend(backend: Backend) -> None:
-    """Add a kernel backend (kernel modules call this when imported by :func:`_load_backends`)."""
+    """Add a kernel backend (the ``sm90`` / ``sm100`` packages call this when imported)."""
     _BACKENDS.append(backend)
 
 
@@ -49,17 +50,6 @@ def use_reference() -> Iterator[None]:
         yield
     finally:
         _state.reference = previous
-
-
-def _load_backends() -> None:
-    if getattr(_load_backends, "done", False):
-        return
-    _load_backends.done = True
-    for module in ("quantkit.kernels.sm90", "quantkit.kernels.sm100"):
-        try:
-            __import__(module)
-        except ImportError as err:  # CuTeDSL not installed: reference only
-            log.info("kernel backend %s unavailable: %s", module, err)
 
 
 _MAJOR: dict[torch.device, int] = {}
@@ -77,7 +67,6 @@ def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue
     """The GPU backend ``gemm`` would use for these operands, or ``None`` for the reference path."""
     if getattr(_state, "reference", False) or not x.is_cuda:
         return None
-    _load_backends()
     major = _major(x.device)
     for backend in _BACKENDS:
         if major in backend.capability and backend.supports(x, qweight, epilogue):
@@ -99,5 +88,15 @@ def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTIT
     return reference.gemm(x, qweight, epilogue, bias=bias, residual=residual, input_scale=input_scale,
                           weight=weight() if weight is not None else None)
 
+
+# The backends register at import, never on first use: a first call traced by torch.compile would
+# otherwise import them inside the trace, where the lazy import's bookkeeping breaks the graph, and
+# the break stays in the compiled code (one in every decoder layer of Llama-3.1-8B: H100, session
+# 36). Importing the two packages is cheap (their kernel modules, and CuTeDSL, load when a kernel
+# first runs); without CuTeDSL (no ``kernels`` extra) nothing registers and GEMMs take the reference.
+if importlib.util.find_spec("cutlass") is not None:
+    from quantkit.kernels import sm90, sm100  # noqa: E402,F401
+else:
+    log.info("CuTeDSL (nvidia-cutlass-dsl) not installed: GEMMs take the PyTorch reference path")
 
 __all__ = ["Backend", "Epilogue", "gemm", "register_backend", "select_backend", "use_reference"]
