@@ -95,7 +95,7 @@ def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTIT
 # 36). Importing the two packages is cheap (their kernel modules, and CuTeDSL, load when a kernel
 # first runs); without CuTeDSL (no ``kernels`` extra) nothing registers and GEMMs take the reference.
 if importlib.util.find_spec("cutlass") is not None:
-    from quantkit.kernels import sm90, sm100  # noqa: E402,F401
+    from quantkit.kernels import sm90, sm100  # noqa: F401
 else:
     log.info("CuTeDSL (nvidia-cutlass-dsl) not installed: GEMMs take the PyTorch reference path")
 
