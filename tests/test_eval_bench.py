@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantkit.eval import bench
+from quantkit.eval import bench, commands
 from quantkit.eval.commands import bench_command
 from quantkit.nn.attention import PACKED_GQA_SDPA
 
@@ -129,6 +129,16 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys, monkeypa
             f"{name}: prefill 1x32: {tokens[0]} tokens/s", f"{name}: prefill 2x16: {tokens[1]} tokens/s",
             f"{name}: decode batch 1: {model['decode'][0]['tokens_per_s']:,.1f} tokens/s"]
     assert len(progress) == 2 * (2 + 2 + 8)  # prefill shapes, decode batches, linears
+
+
+@pytest.mark.parametrize("device,tvm_ffi,warned", [("cuda", False, True), ("cuda:1", False, True), ("cuda", True, False),
+                                                   ("cpu", False, False)])
+def test_bench_warns_on_cuda_without_tvm_ffi(monkeypatch, device, tvm_ffi, warned):
+    """Without apache-tvm-ffi the kernels' launches take ~60 µs more host time: a CUDA bench says so."""
+    monkeypatch.setattr("quantkit.kernels.cache.tvm_ffi_available", lambda: tvm_ffi)
+    warning = commands._launch_warning(device)
+    assert (warning is not None) == warned
+    assert warning is None or "apache-tvm-ffi" in warning and ".[kernels]" in warning
 
 
 def test_bench_tables_leave_out_what_the_run_did_not_measure():

@@ -61,6 +61,17 @@ def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
     }
 
 
+def _launch_warning(device: str) -> str | None:
+    """On a CUDA ``device`` without apache-tvm-ffi, why prefill will measure slow; else ``None``."""
+    from quantkit.kernels.cache import tvm_ffi_available
+
+    if device.startswith("cuda") and not tvm_ffi_available():
+        return ("apache-tvm-ffi is not installed: the kernels launch through CuTeDSL's default executor, "
+                "~60 µs more host time per launch, and prefill (eager or compiled) measures host-bound; "
+                "install the kernels extra (pip install -e '.[kernels]')")
+    return None
+
+
 def _load_model(source: str, device: str) -> tuple[Any, Any]:
     """``quantkit.models.load_model``; a model that cannot be loaded ends the command with its reason."""
     from quantkit.models import ModelLoadError, load_model
@@ -262,6 +273,9 @@ def bench_command(
         cuda_graphs=cuda_graphs, compile="inductor" if compile_model else None, fuse=fuse,
     )
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
+    if warning := _launch_warning(device):
+        meta["warning"] = warning
+        console.print(f"warning: {warning}", highlight=False)
 
     if random_init:
         try:
