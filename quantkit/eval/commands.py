@@ -67,7 +67,7 @@ def _launch_warning(device: str) -> str | None:
 
     if device.startswith("cuda") and not tvm_ffi_available():
         return ("apache-tvm-ffi is not installed: the kernels launch through CuTeDSL's default executor, "
-                "~60 µs more host time per launch, and prefill (eager or compiled) measures host-bound; "
+                "~40-60 µs more host time per launch, and prefill (eager or compiled) measures host-bound; "
                 "install the kernels extra (pip install -e '.[kernels]')")
     return None
 
