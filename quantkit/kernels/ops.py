@@ -28,9 +28,9 @@ class KernelOp:
         namespace, op_name = name.split("::")
         if namespace not in _LIBRARIES:
             _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
-        library = _LIBRARIES[namespace]
-        library.define(op_name + torch.library.infer_schema(function, mutates_args=()))
-        library.impl(op_name, function, "CompositeExplicitAutograd")
+        self.library = _LIBRARIES[namespace]
+        self.library.define(op_name + torch.library.infer_schema(function, mutates_args=()))
+        self.library.impl(op_name, function, "CompositeExplicitAutograd")
         self.name, self.function = name, function
         self.overload = getattr(getattr(torch.ops, namespace), op_name).default
 
@@ -39,7 +39,7 @@ class KernelOp:
 
     def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator: ``fake`` gives the output shapes and dtypes (for ``torch.compile``)."""
-        torch.library.register_fake(self.name, fake, lib=_LIBRARIES[self.name.split("::")[0]])
+        torch.library.register_fake(self.name, fake, lib=self.library)
         return fake
 
 
