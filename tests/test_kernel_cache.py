@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -86,3 +87,17 @@ def test_sm90_kernels_compile_to_tvm_ffi_executors():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("TVMFFI") == 7, proc.stdout
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_launchers_warn_once_without_tvm_ffi(monkeypatch, available):
+    """A launch without apache-tvm-ffi costs ~40-60 µs more host time: the first launcher to ask
+    says so (once per process); with it installed nothing is said and tvm-ffi executors are used."""
+    monkeypatch.setattr(cache, "tvm_ffi_available", lambda: available)
+    cache._warn_no_tvm_ffi.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [cache.use_tvm_ffi() for _ in range(3)] == [available] * 3
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == ([] if available else [cache.NO_TVM_FFI])
+    cache._warn_no_tvm_ffi.cache_clear()

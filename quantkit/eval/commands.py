@@ -63,13 +63,9 @@ def _run_meta(device: str, **settings: Any) -> dict[str, Any]:
 
 def _launch_warning(device: str) -> str | None:
     """On a CUDA ``device`` without apache-tvm-ffi, why prefill will measure slow; else ``None``."""
-    from quantkit.kernels.cache import tvm_ffi_available
+    from quantkit.kernels.cache import NO_TVM_FFI, tvm_ffi_available
 
-    if device.startswith("cuda") and not tvm_ffi_available():
-        return ("apache-tvm-ffi is not installed: the kernels launch through CuTeDSL's default executor, "
-                "~40-60 µs more host time per launch, and prefill (eager or compiled) measures host-bound; "
-                "install the kernels extra (pip install -e '.[kernels]')")
-    return None
+    return NO_TVM_FFI if device.startswith("cuda") and not tvm_ffi_available() else None
 
 
 def _load_model(source: str, device: str) -> tuple[Any, Any]:
