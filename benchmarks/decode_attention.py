@@ -29,9 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import interleaved_us, medians  # noqa: E402
+from timing import interleaved_us, medians
 
-from quantkit.nn.attention import packed_gqa_sdpa  # noqa: E402
+from quantkit.nn.attention import packed_gqa_sdpa
 
 
 def reference(q, k, v, mask, scale):
@@ -48,7 +48,7 @@ def contenders(q, k, v, mask, scale, filled):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    batch, heads, _, dim = q.shape
+    batch, heads = q.shape[:2]
     groups = heads // k.shape[1]
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, 0, 0]
 
