@@ -2,7 +2,7 @@
 graph of an Inductor-compiled decode step (on CPU: the compiled step) of a random-init model,
 kernel time per step grouped by kernel name.
 
-    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40] [--fuse] [--repeat-kv]
+    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40] [--fuse] [--repeat-kv | --flex]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--fuse", action="store_true", help="quantkit.fuse_projections first (q/k/v, gate/up as one GEMM)")
     p.add_argument("--repeat-kv", action="store_true",
                    help="transformers' own sdpa attention (copies the cache per query head under compile)")
+    p.add_argument("--flex", action="store_true", help="FlexAttention decoding over a BlockMask (quantkit bench --flex-attention)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU operators instead of kernels)")
     args = p.parse_args()
 
@@ -34,7 +35,7 @@ def main() -> None:
     if args.format != "bf16":
         quantkit.quantize_model(model, format=args.format)
     if not args.repeat_kv:  # as `quantkit bench` runs it
-        quantkit.nn.use_packed_gqa_attention(model)
+        quantkit.nn.use_packed_gqa_attention(model, flex=args.flex)
     if args.fuse:
         quantkit.fuse_projections(model)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)

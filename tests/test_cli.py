@@ -126,6 +126,8 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, ar
     (["bench", "nvfp4", "--random-init", "tiny-llama", "--prefill", "1x"], "Invalid value for --prefill: expected BATCHxSEQ, got ''"),
     (["bench", "nvfp4", "--random-init", "tiny-llama", "--gemm-m", "16,x"], "Invalid value for --gemm-m: expected a positive integer, got 'x'"),
     (["bench", "nvfp4", "--random-init", "tiny-llama", "--iters", "0"], "Invalid value for '--iters'"),
+    (["bench", "nvfp4", "--random-init", "tiny-llama", "--flex-attention"],
+     "Invalid value for --flex-attention: FlexAttention runs only compiled: add --compile"),
 ])
 def test_eval_and_bench_reject_malformed_numbers_before_any_work(tmp_path, args, message):
     res = run(*args, "--device", "cpu", "--out", tmp_path / "out")

@@ -62,6 +62,7 @@ class BenchSettings:
     cuda_graphs: bool = True
     compile: str | None = None  # a torch.compile backend ("inductor") for prefill and decode steps
     fuse: bool = False  # q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), in place
+    flex_attention: bool = False  # compiled decode steps attend through FlexAttention (use_packed_gqa_attention)
 
 
 @dataclass(frozen=True)
@@ -324,10 +325,10 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings, log: Log = _sil
 
 def bench_model(model: PreTrainedModel, name: str, settings: BenchSettings, log: Log = _silent) -> ModelBench:
     """Prefill, decode and GEMM measurements of ``model``, reported under ``name``, after
-    :func:`quantkit.nn.use_packed_gqa_attention` (and with ``settings.fuse``
-    :func:`quantkit.fuse_projections`), both in place; ``log`` gets a line per measurement as it
-    finishes."""
-    use_packed_gqa_attention(model)
+    :func:`quantkit.nn.use_packed_gqa_attention` (FlexAttention's decoding kernel with
+    ``settings.flex_attention``; and with ``settings.fuse`` :func:`quantkit.fuse_projections`), both
+    in place; ``log`` gets a line per measurement as it finishes."""
+    use_packed_gqa_attention(model, flex=settings.flex_attention)
     if settings.fuse:
         fuse_projections(model)
     return ModelBench(

@@ -245,6 +245,7 @@ def bench_command(
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
+    flex_attention: Annotated[bool, typer.Option("--flex-attention", help="With --compile: decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models).")] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
     """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, in one run.
@@ -262,11 +263,14 @@ def bench_command(
 
     if baseline not in ("bf16", "none"):
         raise typer.BadParameter("must be 'bf16' or 'none'", param_hint="--baseline")
+    if flex_attention and not compile_model:
+        raise typer.BadParameter("FlexAttention runs only compiled: add --compile", param_hint="--flex-attention")
     device = _default_device(device)
     settings = BenchSettings(
         prefill_shapes=_shapes(prefill, "--prefill"), decode_batches=_ints(decode_batches, "--decode-batches"),
         context=context, decode_steps=decode_steps, gemm_m=_ints(gemm_m, "--gemm-m"), warmup=warmup, iters=iters,
         cuda_graphs=cuda_graphs, compile="inductor" if compile_model else None, fuse=fuse,
+        flex_attention=flex_attention,
     )
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
     if warning := _launch_warning(device):
