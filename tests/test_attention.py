@@ -94,9 +94,13 @@ def test_packed_decode_equals_eager_attention_and_reads_unrepeated_keys(arch, mo
     assert all(q[1:3] == (cfg.num_key_value_heads, groups) and k[1] == cfg.num_key_value_heads for q, k in decode)
 
 
+@pytest.mark.parametrize("flex", [False, True])
 @torch.inference_mode()
-def test_compiled_packed_decode_is_one_graph_with_the_eager_tokens():
-    """``bench --compile`` decodes through the packed attention in one dynamo graph."""
+def test_compiled_packed_decode_is_one_graph_with_the_eager_tokens(flex):
+    """``bench --compile`` decodes through the packed attention in one dynamo graph; with ``flex``
+    without a graph break (the ``BlockMask`` is built inside the graph) and at most one recompile
+    (where the ``kernels`` hub package is installed, the first FlexAttention call sets its context
+    variable, which the first graph guards on)."""
     from torch._dynamo.utils import counters
 
     model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
@@ -108,11 +112,11 @@ def test_compiled_packed_decode_is_one_graph_with_the_eager_tokens():
 
     stock = tokens()
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    assert use_packed_gqa_attention(model)
+    assert use_packed_gqa_attention(model, flex=flex)
     torch._dynamo.reset()
     counters.clear()
     assert torch.equal(tokens("aot_eager"), stock)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] in ((1, 2) if flex else (1,))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -146,25 +150,6 @@ def test_compiled_flex_decode_equals_eager_attention_through_block_masks(arch, m
             out.append(compiled(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
     torch.testing.assert_close(torch.stack(out), reference, rtol=0, atol=1e-6)
     assert masks and set(masks) == {"BlockMask"} and len(masks) % model.config.num_hidden_layers == 0
-
-
-@torch.inference_mode()
-def test_compiled_flex_decode_has_no_graph_break_and_the_eager_tokens():
-    from torch._dynamo.utils import counters
-
-    model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
-    prompt = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
-
-    def tokens(compile_backend=None):
-        step, out = bench.greedy_decoder(model, prompt, 20, compile_backend=compile_backend)
-        return torch.cat([out.clone()] + [step() or out.clone() for _ in range(6)], 1)
-
-    stock = tokens()
-    assert use_packed_gqa_attention(model, flex=True)
-    torch._dynamo.reset()
-    counters.clear()
-    assert torch.equal(tokens("aot_eager"), stock)
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
 
 
 def test_fp8_kv_cache_models_keep_their_cache_quantization():
