@@ -12,11 +12,11 @@ GQA kernels do. Prefill (more than one query token) and features SDPA cannot tak
 transformers' ``sdpa`` unchanged.
 
 With ``flex=True`` a compiled decode step attends through FlexAttention instead: the model's mask
-for one query token becomes a ``BlockMask`` (built once per forward from ``sdpa``'s mask), and FlexAttention's split-KV decoding kernel skips the cache blocks no
-query may see (a static cache's unfilled tail). Per layer on Llama-3.1-8B heads at 512 of 640 cache
-positions: 19.6 / 19.0 / 37.5 µs against packed SDPA's 27.8 / 28.9 / 53.7 at batch 1 / 8 / 32 (H100,
-``benchmarks/decode_attention.py``, session 37). Eager steps and prefill keep the SDPA paths
-(FlexAttention runs only compiled).
+for one query token becomes a ``BlockMask`` (built once per forward from ``sdpa``'s mask), and
+FlexAttention's split-KV decoding kernel skips the cache blocks no query may see (a static cache's
+unfilled tail). Per layer on Llama-3.1-8B heads at 512 of 640 cache positions: 19.6 / 19.0 / 37.5 µs
+against packed SDPA's 27.8 / 28.9 / 53.7 at batch 1 / 8 / 32 (H100, ``benchmarks/decode_attention.py``,
+session 37). Eager steps and prefill keep the SDPA paths (FlexAttention runs only compiled).
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def packed_gqa_sdpa(
     ``attention_mask`` boolean or additive ``[B|1, 1|H, T, S]`` or ``None``; returns ``([B, T, H, D],
     None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` with one mask for all heads, each
     key/value head is attended by its ``G`` query heads at once, without copying the keys and
-    values; otherwise transformers' ``sdpa`` computes it."""
+    values; otherwise transformers' ``sdpa`` computes it. A FlexAttention ``BlockMask``
+    (:func:`decode_block_mask`) goes to transformers' ``flex_attention_forward``."""
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -75,7 +76,8 @@ def decode_block_mask(**kwargs):
     from transformers.masking_utils import sdpa_mask
 
     mask = sdpa_mask(**kwargs)
-    if mask is None or kwargs["q_length"] != 1 or not torch.compiler.is_compiling():
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    if mask is None or q_length != 1 or not torch.compiler.is_compiling():
         return mask
     batch, length = kwargs["batch_size"], mask.shape[-1]
     allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0, 0].expand(batch, length)
