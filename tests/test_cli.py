@@ -128,6 +128,8 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(model_dir, tmp_path, ar
     (["bench", "nvfp4", "--random-init", "tiny-llama", "--iters", "0"], "Invalid value for '--iters'"),
     (["bench", "nvfp4", "--random-init", "tiny-llama", "--flex-attention"],
      "Invalid value for --flex-attention: FlexAttention runs only compiled: add --compile"),
+    (["bench", "nvfp4", "--random-init", "tiny-llama", "--compile", "--flex-attention"],
+     "Invalid value for --flex-attention: needs a CUDA device"),
 ])
 def test_eval_and_bench_reject_malformed_numbers_before_any_work(tmp_path, args, message):
     res = run(*args, "--device", "cpu", "--out", tmp_path / "out")

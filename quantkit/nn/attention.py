@@ -16,7 +16,8 @@ for one query token becomes a ``BlockMask`` (built once per forward from ``sdpa`
 FlexAttention's split-KV decoding kernel skips the cache blocks no query may see (a static cache's
 unfilled tail). Per layer on Llama-3.1-8B heads at 512 of 640 cache positions: 19.6 / 19.0 / 37.5 µs
 against packed SDPA's 27.8 / 28.9 / 53.7 at batch 1 / 8 / 32 (H100, ``benchmarks/decode_attention.py``,
-session 37). Eager steps and prefill keep the SDPA paths (FlexAttention runs only compiled).
+session 37). Eager steps and prefill keep the SDPA paths (FlexAttention runs only compiled). On CPU
+Inductor does not lower the ``BlockMask``'s captured mask (torch 2.13; ``aot_eager`` runs it).
 """
 from __future__ import annotations
 
