@@ -33,14 +33,19 @@ def tiny(arch: str) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def decode_logits(model, steps: int = 4) -> torch.Tensor:
+def decode_logits(model, steps: int = 4, compile_backend: str | None = None) -> torch.Tensor:
     """``[steps + 1, 3, vocab]``: last-position logits of a 7-token prefill of 3 sequences into a
-    static cache, then of ``steps`` greedy single-token steps."""
+    static cache, then of ``steps`` greedy single-token steps (through ``torch.compile`` with
+    ``compile_backend``; the prefill stays eager)."""
+    step = model
+    if compile_backend is not None:
+        torch._dynamo.reset()
+        step = torch.compile(model, backend=compile_backend)
     prompt = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(1))
     cache = {bench._cache_kwarg(model): StaticCache(config=model.config, max_cache_len=16)}
     out = [model(input_ids=prompt, use_cache=True, **cache).logits[:, -1]]
     for _ in range(steps):
-        out.append(model(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
+        out.append(step(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
     return torch.stack(out)
 
 
@@ -140,27 +145,22 @@ def test_compiled_flex_decode_equals_eager_attention_through_block_masks(arch, m
         return flex_forward(module, query, key, value, mask, **kwargs)
 
     monkeypatch.setattr(hf_flex, "flex_attention_forward", spy)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    prompt = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(1))
-    cache = {bench._cache_kwarg(model): StaticCache(config=model.config, max_cache_len=16)}
-    with torch.no_grad():
-        out = [model(input_ids=prompt, use_cache=True, **cache).logits[:, -1]]
-        for _ in range(4):
-            out.append(compiled(input_ids=out[-1].argmax(-1, keepdim=True), use_cache=True, **cache).logits[:, -1])
-    torch.testing.assert_close(torch.stack(out), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(decode_logits(model, compile_backend="aot_eager"), reference, rtol=0, atol=1e-6)
     assert masks and set(masks) == {"BlockMask"} and len(masks) % model.config.num_hidden_layers == 0
 
 
-def test_fp8_kv_cache_models_keep_their_cache_quantization():
+@pytest.mark.parametrize("flex", [False, True])
+def test_fp8_kv_cache_models_keep_their_cache_quantization(flex):
     model = tiny("llama")
     model.set_attn_implementation("sdpa")
     layers = {f"model.layers.{i}.self_attn": (torch.tensor(0.004), torch.tensor(0.003)) for i in range(2)}
     enable_kv_cache(model, layers)
     reference = decode_logits(model)
-    assert use_packed_gqa_attention(model)
-    assert model.config._attn_implementation == FP8_KV_PREFIX + PACKED_GQA_SDPA
+    assert use_packed_gqa_attention(model, flex=flex)
+    assert model.config._attn_implementation == FP8_KV_PREFIX + (PACKED_GQA_FLEX if flex else PACKED_GQA_SDPA)
     torch.testing.assert_close(decode_logits(model), reference, rtol=0, atol=1e-10)
+    if flex:  # compiled steps: the BlockMask path, on the FP8-rounded cache
+        torch.testing.assert_close(decode_logits(model, compile_backend="aot_eager"), reference, rtol=0, atol=1e-6)
 
 
 def test_other_attention_implementations_are_left_alone():
