@@ -74,9 +74,9 @@ def decode_block_mask(**kwargs):
     boolean tensor (this step's values: the cache advances the offsets the mask came from in place
     before the attention runs)."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    mask = sdpa_mask(**kwargs)
+    mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**kwargs)
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
     if mask is None or q_length != 1 or not torch.compiler.is_compiling():
         return mask
