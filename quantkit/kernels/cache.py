@@ -55,9 +55,10 @@ def use_tvm_ffi() -> bool:
     """Whether launchers compile and call tvm-ffi executors (:data:`USE_TVM_FFI` and available).
     Launchers ask before every launch; the first time apache-tvm-ffi is missing, this warns
     (``RuntimeWarning``: :data:`NO_TVM_FFI`) once per process."""
-    if not tvm_ffi_available():
+    available = tvm_ffi_available()
+    if not available:
         _warn_no_tvm_ffi()
-    return USE_TVM_FFI and tvm_ffi_available()
+    return USE_TVM_FFI and available
 
 
 @functools.cache

@@ -47,10 +47,9 @@ def packed_gqa_sdpa(
     key/value head is attended by its ``G`` query heads at once, without copying the keys and
     values; otherwise transformers' ``sdpa`` computes it. A FlexAttention ``BlockMask``
     (:func:`decode_block_mask`) goes to transformers' ``flex_attention_forward``."""
-    from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if isinstance(attention_mask, BlockMask):  # from decode_block_mask: a compiled decode step
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # decode_block_mask's BlockMask
         from transformers.integrations.flex_attention import flex_attention_forward
 
         return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0], None
