@@ -151,6 +151,47 @@ def test_bench_tables_leave_out_what_the_run_did_not_measure():
     assert tables["Prefill tokens/s"][1] == [["1", "64", "32,000", "64,000", "2.00"]]
 
 
+@pytest.mark.parametrize(("tokens", "device", "fails", "expected"), [
+    (512, "cuda", False, "graph"),  # at the limit: replayed
+    (513, "cuda", False, "forward"),  # past it: host-launched
+    (16, "cpu", False, "forward"),  # no CUDA graphs off CUDA
+    (16, "cuda", True, "forward"),  # capture failed: host-launched, with the reason
+])
+def test_prefill_replays_cuda_graphs_up_to_the_token_limit(monkeypatch, tokens, device, fails, expected):
+    captured = []
+
+    class Graph:
+        def replay(self):
+            return "graph"
+
+    def capture(step, warmup):
+        captured.append(warmup)
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return Graph()
+
+    monkeypatch.setattr(bench, "capture_graph", capture)
+    settings = bench.BenchSettings(prefill_graph_tokens=512, warmup=2)
+    call, graph, note = bench.prefill_call(lambda: "forward", tokens, settings, torch.device(device))
+    assert call() == expected and graph == (expected == "graph")
+    assert captured == ([2] if device == "cuda" and tokens <= 512 else [])
+    assert (note == "CUDA graph capture failed, host-launched forwards: operation not permitted when stream is "
+            "capturing") == fails
+
+
+def test_bench_report_names_the_prefill_shapes_timed_as_graphs():
+    from quantkit.eval.report import bench_tables
+
+    results = [bench.PrefillResult(1, 512, 0.01, 51_200, cuda_graph=True),
+               bench.PrefillResult(1, 2048, 0.04, 51_200),
+               bench.PrefillResult(8, 64, 0.01, 51_200, note="CUDA graph capture failed, host-launched forwards: x")]
+    benches = [bench.ModelBench("bf16", results, [], [])]
+    assert bench_tables(benches, benches[0])["Prefill shapes timed as CUDA graphs"][1] == [
+        ["bf16", "1x512", "CUDA graph replays (no host launch time)"],
+        ["bf16", "8x64", "CUDA graph capture failed, host-launched forwards: x"],
+    ]
+
+
 def test_layer0_linears_finds_quantlinear_layers():
     """GEMM timings of a quantized model time its QuantLinear layers (lm_head stays bf16)."""
     import quantkit

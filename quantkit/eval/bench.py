@@ -1,7 +1,9 @@
 """Throughput of a model: prefill and decode tokens/s, and the time of its own GEMM shapes.
 
 * prefill: one forward of ``[batch, seq]`` random tokens, no KV cache, logits of the last
-  position only (what serving computes), tokens/s = batch * seq / time;
+  position only (what serving computes), tokens/s = batch * seq / time; on CUDA, forwards of at
+  most ``prefill_graph_tokens`` tokens replay as captured CUDA graphs (vLLM captures its forwards
+  up to 512 tokens by default), the others run from the host;
 * decode: after a ``context``-token prefill into a static KV cache, one new token per sequence
   per step (greedy, fed back), tokens/s = batch / time per step; on CUDA each step is a captured
   CUDA graph (falls back to eager, with the reason, where capture fails); with ``compile`` the
@@ -63,16 +65,20 @@ class BenchSettings:
     compile: str | None = None  # a torch.compile backend ("inductor") for prefill and decode steps
     fuse: bool = False  # q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), in place
     flex_attention: bool = False  # compiled decode steps attend through FlexAttention (use_packed_gqa_attention)
+    prefill_graph_tokens: int = 0  # prefill forwards of at most this many tokens replay as CUDA graphs
 
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Prefill of ``batch`` sequences of ``seq`` tokens: seconds per forward and tokens/s."""
+    """Prefill of ``batch`` sequences of ``seq`` tokens: seconds per forward, tokens/s, whether the
+    forward was timed as a CUDA graph replay, and why not where its capture failed."""
 
     batch: int
     seq: int
     seconds: float
     tokens_per_s: float
+    cuda_graph: bool = False
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -199,22 +205,33 @@ def _random_tokens(model: PreTrainedModel, batch: int, seq: int) -> torch.Tensor
 @torch.inference_mode()
 def bench_prefill(model: PreTrainedModel, settings: BenchSettings, log: Log = _silent) -> list[PrefillResult]:
     """Prefill throughput at each of ``settings.prefill_shapes`` (through ``torch.compile`` with
-    ``settings.compile``: one compiled model for all shapes, recompiled once with dynamic shapes);
-    ``log`` gets one line per measurement."""
+    ``settings.compile``: one compiled model for all shapes, recompiled once with dynamic shapes;
+    as CUDA graph replays up to ``settings.prefill_graph_tokens`` tokens); ``log`` gets one line
+    per measurement."""
     device = model_device(model)
     forward = torch.compile(model, backend=settings.compile) if settings.compile else model
     results = []
     for batch, seq in settings.prefill_shapes:
         ids = _random_tokens(model, batch, seq)
-        seconds = time_call(
-            lambda: forward(input_ids=ids, use_cache=False, logits_to_keep=1),
-            warmup=settings.warmup,
-            iters=settings.iters,
-            device=device,
-        )
-        results.append(PrefillResult(batch, seq, seconds, batch * seq / seconds))
-        log(f"prefill {batch}x{seq}: {results[-1].tokens_per_s:,.0f} tokens/s")
+        call, graph, note = prefill_call(lambda: forward(input_ids=ids, use_cache=False, logits_to_keep=1),
+                                         batch * seq, settings, device)
+        seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device)
+        results.append(PrefillResult(batch, seq, seconds, batch * seq / seconds, graph, note))
+        log(f"prefill {batch}x{seq}: {results[-1].tokens_per_s:,.0f} tokens/s" + (" (CUDA graph)" if graph else ""))
     return results
+
+
+def prefill_call(forward: Callable[[], object], tokens: int, settings: BenchSettings, device: torch.device
+                 ) -> tuple[Callable[[], object], bool, str | None]:
+    """What :func:`bench_prefill` times for a forward of ``tokens`` tokens: ``(call, graph, note)``,
+    the replay of ``forward`` captured as a CUDA graph on CUDA up to ``settings.prefill_graph_tokens``
+    tokens, else ``forward`` itself, with the first line of the error where capture failed."""
+    if device.type != "cuda" or tokens > settings.prefill_graph_tokens:
+        return forward, False, None
+    try:
+        return capture_graph(forward, settings.warmup).replay, True, None
+    except RuntimeError as error:
+        return forward, False, f"CUDA graph capture failed, host-launched forwards: {str(error).splitlines()[0][:160]}"
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:

@@ -136,6 +136,7 @@ def eval_command(
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 8,
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Directory holding lambada_test.jsonl / wiki.test.raw (any depth): run lambada_openai, wikitext and wikitext2_ppl offline.")] = None,
+    prefill_graph_tokens: Annotated[int, typer.Option(min=0, help="On CUDA: prefill forwards of at most this many tokens (batch x seq) replay as captured CUDA graphs, as vLLM runs batches up to 512 tokens (0: none).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for eval.md, eval.json, eval_recovery.png.")] = Path("eval-results"),
     check_kernels: Annotated[bool, typer.Option("--check-kernels", help="Instead of tasks: run a few batches through the GPU kernels and the reference path and report logit error and top-1 agreement.")] = False,
     seq_len: Annotated[int, typer.Option(min=2, help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
@@ -246,6 +247,7 @@ def bench_command(
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
     flex_attention: Annotated[bool, typer.Option("--flex-attention", help="With --compile: decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models).")] = False,
+    prefill_graph_tokens: Annotated[int, typer.Option(min=0, help="On CUDA: prefill forwards of at most this many tokens (batch x seq) replay as captured CUDA graphs, as vLLM runs batches up to 512 tokens (0: none).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
     """Prefill and decode tokens/s and per-layer GEMM times of TARGET against bf16, in one run.
@@ -273,7 +275,7 @@ def bench_command(
         prefill_shapes=_shapes(prefill, "--prefill"), decode_batches=_ints(decode_batches, "--decode-batches"),
         context=context, decode_steps=decode_steps, gemm_m=_ints(gemm_m, "--gemm-m"), warmup=warmup, iters=iters,
         cuda_graphs=cuda_graphs, compile="inductor" if compile_model else None, fuse=fuse,
-        flex_attention=flex_attention,
+        flex_attention=flex_attention, prefill_graph_tokens=prefill_graph_tokens,
     )
     meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
     if warning := _launch_warning(device):

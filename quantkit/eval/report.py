@@ -172,6 +172,16 @@ def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> 
             ["model", "batches", "why"],
             [[model, ", ".join(batches), why] for (model, why), batches in eager.items()],
         )
+    graphs: dict[tuple[str, str], list[str]] = {}
+    for b in benches:
+        for r in b.prefill:
+            if r.cuda_graph or r.note:
+                how = "CUDA graph replays (no host launch time)" if r.cuda_graph else r.note
+                graphs.setdefault((b.model, how), []).append(f"{r.batch}x{r.seq}")
+    if graphs:
+        tables["Prefill shapes timed as CUDA graphs"] = (
+            ["model", "shapes", "how"], [[model, ", ".join(shapes), how] for (model, how), shapes in graphs.items()],
+        )
     eager_gemms = [[b.model, f"{sum(not r.cuda_graph for r in b.gemms)} of {len(b.gemms)}",
                     "host launch time included; the rest: CUDA-graph replays"]
                    for b in benches if any(not r.cuda_graph for r in b.gemms)]
