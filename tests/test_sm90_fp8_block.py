@@ -284,6 +284,25 @@ def test_every_dispatch_config_and_epilogue_compiles_for_sm90a(tmp_path):
             assert ("tanh.approx.f32" in ptx) == cfg.act_tanh and ("ex2.approx" in ptx) != cfg.act_tanh, (cfg, epi)
 
 
+def test_every_dispatch_config_compiles_as_one_linear_executor_for_sm90a(tmp_path):
+    """``fp8_block_linear``'s executor (:class:`Fp8BlockLinearSm90`) for every dispatch config and
+    the bf16 epilogues: one module with two kernels, the activation quantization (FP8 conversion, no
+    RMSNorm) and the WGMMA GEMM, both as programmatic dependents where the config says ``pdl``
+    (each lets the next kernel launch once; the GEMM waits twice, the quantization once)."""
+    configs = sorted({cfg for table in (*fbg._DISPATCH.values(), fbg._DEFAULT) for _, cfg in table}, key=str)
+    jobs = [(replace(cfg, pdl=i % 2 == 0), Epilogue()) for i, cfg in enumerate(configs)]
+    jobs += [(fbg._linear_config(64, 4096, 4096, epi, 132, True), epi) for epi in EPILOGUES[1:] if epi.requant is None]
+    for i, (cfg, epi) in enumerate(jobs):
+        ptx = _ptx(tmp_path, f"linear{i}", lambda opts: fbg.compile_linear(cfg, epi, arch="sm_90a", options=opts))
+        assert ".target sm_90a" in ptx and ptx.count(".entry") == 2, (cfg, epi)
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx and "cp.async.bulk.tensor" in ptx, (cfg, epi)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "rsqrt" not in ptx, (cfg, epi)
+        assert ptx.count("griddepcontrol.launch_dependents") == 2 * cfg.pdl, (cfg, epi)
+        assert ptx.count("griddepcontrol.wait") == 3 * cfg.pdl, (cfg, epi)
+    with pytest.raises(ValueError, match="requant"):
+        fbg.compile_linear(fbg.TileConfig(), Epilogue(requant="fp8-block"), arch="sm_90a")
+
+
 def test_split_configs_compile_for_sm90a_to_a_cluster_sum(tmp_path):
     """Each K-split config (plain, and with the requant / SwiGLU epilogues where they fit): split 0
     reads every peer's partial tile once through distributed shared memory (16-byte loads, one
@@ -327,20 +346,42 @@ def test_pdl_configs_compile_for_sm90a(tmp_path):
 
 
 def test_linear_launches_both_kernels_as_programmatic_dependents_at_17_to_128_tokens(monkeypatch):
+    """Beyond 16 tokens ``fp8_block_linear`` is one executor call (activation quantization and GEMM
+    traced into one host function): both kernels as programmatic dependents at 17-128 tokens, the
+    quantized operands whole token tiles high, the quantization's groups per CTA as ``act_quant``'s."""
     seen = []
+
+    def plan(m, n, k, epilogue, bias_fp32, device, config, tvm_ffi, linear=False):
+        assert linear and config == fbg._linear_config(m, n, k, epilogue, 132, config.pdl)
+        return lambda *args: seen.append((config.pdl, args[9], args[12]))  # pdl, rows of q, span
+
     monkeypatch.setattr(fgv, "use_gemv", lambda *a: False)
     monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
-    monkeypatch.setattr(aq, "act_quant", lambda x, rows, pdl: (seen.append(("act_quant", rows, pdl)), (x, x))[1])
-    monkeypatch.setattr(fbg, "fp8_block_gemm", lambda *a, config, m, **kw: seen.append(("gemm", m, config.pdl)))
-    w = torch.zeros(4096, 4096)
+    monkeypatch.setattr(fbg, "_plan", plan)
+    monkeypatch.setattr(fbg, "launch_stream", lambda device, tvm_ffi: 0)
+    w, ws = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn), torch.ones(32, 32)
     for m in (16, 17, 64, 65, 128, 129, 4096):
-        fbg.fp8_block_linear(torch.zeros(m, 4096), w, None)
-    assert [pdl for *_, pdl in seen] == [False] * 2 + [True] * 8 + [False] * 4
-    assert [r for name, r, _ in seen if name == "act_quant"] == [16, 64, 64, 128, 128, 256, 4096]  # whole token tiles past 16
+        out = fbg.fp8_block_linear(torch.zeros(m, 4096, dtype=torch.bfloat16), w, ws)
+        assert out.shape == (m, 4096) and out.dtype == torch.bfloat16
+    assert [pdl for pdl, _, _ in seen] == [False] + [True] * 4 + [False] * 2
+    assert [rows for _, rows, _ in seen] == [16, 64, 64, 128, 128, 256, 4096]  # whole token tiles past 16
+    assert [span for *_, span in seen] == [aq.groups_per_cta(m, 4096, False) for m in (16, 17, 64, 65, 128, 129, 4096)]
+    assert seen[-1][2] == 32 and seen[0][2] == 4  # whole rows past 512 tokens, 4 groups below
     seen.clear()
-    fbg.fp8_block_linear(torch.zeros(64, 4096), w, None, pdl=False)
-    fbg.fp8_block_linear(torch.zeros(128, 4096), w, None, pdl=True)
-    assert [pdl for *_, pdl in seen] == [False, False, True, True]
+    fbg.fp8_block_linear(torch.zeros(64, 4096, dtype=torch.bfloat16), w, ws, pdl=False)
+    fbg.fp8_block_linear(torch.zeros(128, 4096, dtype=torch.bfloat16), w, ws, pdl=True)
+    assert [pdl for pdl, _, _ in seen] == [False, True]
+
+
+def test_linear_rejects_bad_operands_with_clear_errors(monkeypatch):
+    monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
+    x, w, ws = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2)
+    cases = [((x.float(), w, ws), Epilogue(), "expected bf16 x"), ((x, w[:, :128], ws), Epilogue(), r"w\[N, 256\]"),
+             ((x, w, ws[:, :1]), Epilogue(), "w_scale shape"), ((x, w, ws), Epilogue(requant="fp8-block"), "requant"),
+             ((x, w, ws), Epilogue(bias=True), "bias"), ((x, w[:64], ws), Epilogue(activation="swiglu"), "unsupported shape")]
+    for args, epi, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fbg.fp8_block_linear(*args, epi)
 
 
 # ----------------------------------------------------------------------------- CPU: decode GEMV

@@ -228,19 +228,35 @@ def act_quant(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: flo
         raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
     if rows < m:
         raise ValueError(f"rows={rows} is fewer than the {m} rows of x")
-    ld = -(-rows // 4) * 4
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(k // GROUP, ld, dtype=torch.float32, device=x.device)[:, :rows].t()
+    q, scale = quantized_empty(rows, k, x.device)
     if m == 0:
         return q, scale
     x = x.contiguous()
     w = norm_weight.to(torch.bfloat16).contiguous() if norm_weight is not None else None
     tvm_ffi = use_tvm_ffi()
     fn = _executor(norm_weight is not None, pdl, tvm_ffi)
-    span = k // GROUP if w is not None or m > SPLIT_ROWS else _WARPS
-    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, ld, k, span, eps,
-       launch_stream(x.device, tvm_ffi))
+    fn(x.data_ptr(), 0 if w is None else w.data_ptr(), q.data_ptr(), scale.data_ptr(), m, scale.stride(1), k,
+       groups_per_cta(m, k, w is not None), eps, launch_stream(x.device, tvm_ffi))
     return q, scale
+
+
+def quantized_empty(rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised operands the kernel writes for ``rows`` rows of ``K`` columns: float8_e4m3fn
+    ``[rows, K]`` and FP32 scales ``[rows, K/128]`` (:func:`m_major_empty`; ``stride(1)`` is the
+    kernel's ``ld``)."""
+    return torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device), m_major_empty(rows, k // GROUP, device)
+
+
+def m_major_empty(rows: int, cols: int, device) -> torch.Tensor:
+    """Uninitialised FP32 ``[rows, cols]``: the M-major view of a ``[cols, roundup(rows, 4)]`` buffer,
+    the scale layout the fp8-block GEMM loads by TMA (and its requant epilogue writes)."""
+    return torch.empty(cols, -(-rows // 4) * 4, dtype=torch.float32, device=device)[:, :rows].t()
+
+
+def groups_per_cta(m: int, k: int, rmsnorm: bool) -> int:
+    """The kernel's ``span`` for ``M`` rows of ``K`` columns: whole rows with RMSNorm or from
+    :data:`SPLIT_ROWS` rows up, else 4 groups (one per warp)."""
+    return k // GROUP if rmsnorm or m > SPLIT_ROWS else _WARPS
 
 
 @kernel_op("quantkit::fp8_act_quant")

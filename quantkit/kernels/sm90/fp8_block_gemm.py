@@ -60,6 +60,7 @@ from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
 from quantkit.kernels.sm90 import split_k
+from quantkit.kernels.sm90.act_quant import ActQuantSm90, groups_per_cta, m_major_empty, quantized_empty
 
 BLOCK = 128  # the fp8-block scale granularity along K (and along N for weights)
 FP8_MAX = 448.0
@@ -750,6 +751,39 @@ class Fp8BlockGemmSm90:
                 mDS[m, (tn * self.out_tile_n + coord[1]) // BLOCK] = scale
 
 
+class Fp8BlockLinearSm90:
+    """fp8-block linear of bf16 activations from one host call: :class:`.act_quant.ActQuantSm90`
+    quantizes ``x`` into tile-high FP8 operands, then ``gemm`` (a :class:`Fp8BlockGemmSm90`) runs on
+    them. Both launches are traced into one host function, so a linear costs one executor call
+    (~20 µs of host time with tvm-ffi, H100) instead of two; the kernels are unchanged. Call
+    through ``cute.compile``."""
+
+    def __init__(self, gemm: Fp8BlockGemmSm90):
+        self.quant = ActQuantSm90(rmsnorm=False, pdl=gemm.cfg.pdl)
+        self.gemm = gemm
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cutlass.Int64,  # x       [M, K]            bf16, row-major
+        q_ptr: cutlass.Int64,  # quantized x [x_rows, K]   fp8 (written: M rows)
+        sa_ptr: cutlass.Int64,  # its scales [x_rows, K/128] fp32, M-major with leading dim roundup(x_rows, 4)
+        b_ptr: cutlass.Int64,  # w       [N', K]           fp8
+        sb_ptr: cutlass.Int64,  # w_scale [ceil(N'/128), K/128] fp32
+        d_ptr: cutlass.Int64,  # out     [M, N]            bf16
+        bias_ptr: cutlass.Int64,
+        res_ptr: cutlass.Int64,
+        m: cutlass.Int32,
+        x_rows: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        span: cutlass.Int32,  # act_quant's groups per CTA (act_quant.groups_per_cta)
+        stream: cuda.CUstream,
+    ):
+        self.quant(x_ptr, cutlass.Int64(0), q_ptr, sa_ptr, m, (x_rows + 3) // 4 * 4, k, span, cutlass.Float32(0.0), stream)
+        self.gemm(q_ptr, b_ptr, sa_ptr, sb_ptr, d_ptr, bias_ptr, res_ptr, cutlass.Int64(0), m, x_rows, n, k, stream)
+
+
 @cute.jit
 def _fp8_group_scale(amax):
     """fp8-block scale of a group with absolute maximum ``amax``: ``(s, 1/s)``, ``s = amax/448``
@@ -825,6 +859,14 @@ def pick_config(m: int, n: int, k: int, epilogue: Epilogue = Epilogue(), num_sms
     return cfg
 
 
+def _gemm_kernel(config: TileConfig, epilogue: Epilogue, bias_fp32: bool, num_sms: int) -> Fp8BlockGemmSm90:
+    """The GEMM for one (config, epilogue, bias dtype) on a GPU of ``num_sms`` SMs."""
+    return Fp8BlockGemmSm90(
+        config, epilogue, MAX_SPLIT_TILES if config.splits > 1 else num_sms // (config.cluster_m * config.cluster_n),
+        cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
+    )
+
+
 def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = False, num_sms: int = 132,
                  tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
     """Compiled kernel for one (config, epilogue, bias dtype, SM count), through :mod:`..cache`.
@@ -836,20 +878,34 @@ def compile_gemm(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = Fa
 
     from quantkit.kernels.cache import compile_kernel
 
-    kernel = Fp8BlockGemmSm90(
-        config, epilogue, MAX_SPLIT_TILES if config.splits > 1 else num_sms // (config.cluster_m * config.cluster_n),
-        cutlass.Float32 if bias_fp32 else cutlass.BFloat16,
-    )
     key = ("sm90.fp8_block_gemm", config, epilogue, bias_fp32, num_sms)
-    return compile_kernel(key, kernel, *([0] * 8), BLOCK, BLOCK, 2 * BLOCK, BLOCK, make_fake_stream(), arch=arch, options=options,
-                          tvm_ffi=tvm_ffi)
+    return compile_kernel(key, _gemm_kernel(config, epilogue, bias_fp32, num_sms), *([0] * 8), BLOCK, BLOCK, 2 * BLOCK,
+                          BLOCK, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
+
+
+def compile_linear(config: TileConfig, epilogue: Epilogue, *, bias_fp32: bool = False, num_sms: int = 132,
+                   tvm_ffi: bool = False, arch: str | None = None, options: str = ""):
+    """Compiled :class:`Fp8BlockLinearSm90` (activation quantization, then the GEMM of ``config``
+    with ``epilogue``; bf16 output), through :mod:`..cache`. The executor takes ``(x, q, x_scale,
+    w, w_scale, out, bias, residual)`` data pointers (0 for unused), ``M``, the rows of ``q`` and
+    ``x_scale`` (>= M), ``N', K``, the quantization's groups per CTA and a stream, as
+    :func:`compile_gemm`'s."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from quantkit.kernels.cache import compile_kernel
+
+    if epilogue.requant is not None:
+        raise ValueError("the fused linear writes bf16: requant through act_quant and fp8_block_gemm")
+    key = ("sm90.fp8_block_linear", config, epilogue, bias_fp32, num_sms)
+    return compile_kernel(key, Fp8BlockLinearSm90(_gemm_kernel(config, epilogue, bias_fp32, num_sms)), *([0] * 8),
+                          BLOCK, BLOCK, 2 * BLOCK, BLOCK, 1, make_fake_stream(), arch=arch, options=options, tvm_ffi=tvm_ffi)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, config: TileConfig | None,
-          tvm_ffi: bool):
-    """The executor of one launch shape (dispatch config unless ``config``), cached: the per-call
-    host path is a dict lookup."""
+          tvm_ffi: bool, linear: bool = False):
+    """The executor of one launch shape (dispatch config unless ``config``): :func:`compile_gemm`'s,
+    or with ``linear`` :func:`compile_linear`'s; cached, so the per-call host path is a dict lookup."""
     config = config or pick_config(m, n, k, epilogue, num_sms(device))
     k_tiles = k // BLOCK  # per split
     if k_tiles % config.splits:
@@ -861,7 +917,22 @@ def _plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: t
         # the largest group of 16, 8 or 4 k-tiles that divides the k-tiles, else no overlap
         fits = [u for u in (16, 8, 4) if u < config.unroll and k_tiles % u == 0]
         config = replace(config, unroll=fits[0]) if fits else replace(config, overlap=False)
-    return compile_gemm(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms(device), tvm_ffi=tvm_ffi)
+    return (compile_linear if linear else compile_gemm)(config, epilogue, bias_fp32=bias_fp32, num_sms=num_sms(device),
+                                                        tvm_ffi=tvm_ffi)
+
+
+def _check_weight(k: int, w, w_scale, epilogue: Epilogue) -> tuple[int, int]:
+    """``(N', N)`` of fp8-block weights ``w [N', K]`` with scales ``w_scale [ceil(N'/128), K/128]``
+    for ``epilogue`` (``N = N'/2`` for swiglu); ValueError naming what does not fit."""
+    n = w.shape[0]
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != k:
+        raise ValueError(f"expected float8_e4m3fn w[N, {k}]; got {w.dtype} {tuple(w.shape)}")
+    if k % BLOCK or n % 64 or ((epilogue.activation == "swiglu" or epilogue.requant) and n % (2 * BLOCK if epilogue.activation == "swiglu" else BLOCK)):
+        raise ValueError(f"unsupported shape N'={n}, K={k} for {epilogue}")
+    if tuple(w_scale.shape) != (-(-n // BLOCK), k // BLOCK):
+        raise ValueError(f"w_scale shape {tuple(w_scale.shape)} does not match w {tuple(w.shape)}: expected "
+                         f"{(-(-n // BLOCK), k // BLOCK)}")
+    return n, n // 2 if epilogue.activation == "swiglu" else n
 
 
 def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, residual=None,
@@ -879,22 +950,19 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     the TMA loads read faster than a tile partly past the last row); residual and outputs have ``m``."""
     x_rows, k = x.shape
     m = x_rows if m is None else m
-    n = w.shape[0]
     if not 0 <= m <= x_rows:
         raise ValueError(f"m={m} outside the {x_rows} rows of x")
-    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn or w.shape[1] != k:
-        raise ValueError(f"expected float8_e4m3fn x[M, K], w[N, K]; got {x.dtype} {tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
-    if k % BLOCK or n % 64 or ((epilogue.activation == "swiglu" or epilogue.requant) and n % (2 * BLOCK if epilogue.activation == "swiglu" else BLOCK)):
-        raise ValueError(f"unsupported shape N'={n}, K={k} for {epilogue}")
-    if tuple(x_scale.shape) != (x_rows, k // BLOCK) or tuple(w_scale.shape) != (-(-n // BLOCK), k // BLOCK):
-        raise ValueError(f"scale shapes {tuple(x_scale.shape)}, {tuple(w_scale.shape)} do not match x {tuple(x.shape)}, w {tuple(w.shape)}")
-    n_out = n // 2 if epilogue.activation == "swiglu" else n
+    if x.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"expected float8_e4m3fn x[M, K]; got {x.dtype} {tuple(x.shape)}")
+    n, n_out = _check_weight(k, w, w_scale, epilogue)
+    if tuple(x_scale.shape) != (x_rows, k // BLOCK):
+        raise ValueError(f"x_scale shape {tuple(x_scale.shape)} does not match x {tuple(x.shape)}")
     requant = epilogue.requant is not None
     if out is None or requant:
         out = torch.empty(m, n_out, dtype=torch.float8_e4m3fn if requant else torch.bfloat16, device=x.device)
     elif out.shape != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 [{m}, {n_out}] tensor")
-    out_scale = _m_major_empty(m, n_out // BLOCK, x.device) if requant else None
+    out_scale = m_major_empty(m, n_out // BLOCK, x.device) if requant else None
     if m == 0:
         return (out, out_scale) if requant else out
     bias, residual, bias_fp32 = epilogue_operands(epilogue, m, n, n_out, bias, residual)
@@ -902,15 +970,14 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
     fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    fn(ptr(x), ptr(w), ptr(x_scale), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), ptr(out_scale), m, x_rows, n,
-       k, launch_stream(x.device, tvm_ffi))
+    fn(_ptr(x), _ptr(w), _ptr(x_scale), _ptr(w_scale), _ptr(out), _ptr(bias), _ptr(residual), _ptr(out_scale), m,
+       x_rows, n, k, launch_stream(x.device, tvm_ffi))
     return (out, out_scale) if requant else out
 
 
-def _m_major_empty(m: int, cols: int, device):
-    """Uninitialised FP32 ``[m, cols]`` view of a ``[cols, roundup(m, 4)]`` buffer (TMA-readable)."""
-    return torch.empty(cols, -(-m // 4) * 4, dtype=torch.float32, device=device)[:, :m].t()
+def _ptr(t: torch.Tensor | None) -> int:
+    """A tensor's data pointer, 0 for None (the executors' "unused operand")."""
+    return 0 if t is None else t.data_ptr()
 
 
 @kernel_op("quantkit::fp8_block_gemm")
@@ -950,8 +1017,9 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     """fp8-block linear of bf16 ``x [M, K]`` (bf16 output): the decode GEMV
     (:mod:`.fp8_block_gemv`, activations quantized in-kernel) where it runs and is the faster
     (:func:`.fp8_block_gemv.use_gemv`: up to 8 tokens, or 16 on one-wave weights), else the
-    activation quantization (:mod:`.act_quant`) and :func:`fp8_block_gemm`. Both compute the same
-    function; operands as :func:`fp8_block_gemm`.
+    activation quantization (:mod:`.act_quant`) and :func:`fp8_block_gemm`, launched by one host
+    call (:class:`Fp8BlockLinearSm90`). Both compute the same function; operands as
+    :func:`fp8_block_gemm` with bf16 ``x``.
 
     Beyond 16 tokens the quantized activations are allocated in whole token tiles (the GEMM's TMA
     loads of a tile partly past M run slowly: H100, session 25, the GEMM on tile-padded rows 4096x14336
@@ -964,16 +1032,30 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     5-32 % faster at 32-64 tokens, 0-16 % at 96-128; at 512 -2 to +5 %, so plain launches there);
     ``pdl`` overrides that choice (beyond 16 tokens)."""
     from quantkit.kernels.sm90 import fp8_block_gemv
-    from quantkit.kernels.sm90.act_quant import act_quant
 
     m, k = x.shape
     n = w.shape[0]
     if fp8_block_gemv.use_gemv(m, n, k, epilogue, num_sms(x.device)):
         return fp8_block_gemv.fp8_block_gemv(x, w, w_scale, epilogue, bias, residual)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"expected bf16 x[M, K]; got {x.dtype} {tuple(x.shape)}")
+    if epilogue.requant is not None:
+        raise ValueError("fp8_block_linear writes bf16: requant through act_quant and fp8_block_gemm")
+    n, n_out = _check_weight(k, w, w_scale, epilogue)
     pdl = 16 < m <= 128 if pdl is None else pdl
     config = _linear_config(m, n, k, epilogue, num_sms(x.device), pdl)
     rows = -(-m // config.tile_m) * config.tile_m if m > 16 else m  # the padded M stays in its dispatch bucket
-    return fp8_block_gemm(*act_quant(x, rows=rows, pdl=pdl), w, w_scale, epilogue, bias, residual, config=config, m=m)
+    out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    bias, residual, bias_fp32 = epilogue_operands(epilogue, m, n, n_out, bias, residual)
+    q, x_scale = quantized_empty(rows, k, x.device)
+    x, w, w_scale = x.contiguous(), w.contiguous(), w_scale.float().contiguous()
+    tvm_ffi = use_tvm_ffi()
+    fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi, linear=True)
+    fn(x.data_ptr(), q.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), _ptr(bias),
+       _ptr(residual), m, rows, n, k, groups_per_cta(m, k, rmsnorm=False), launch_stream(x.device, tvm_ffi))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)  # the eager per-call path: a dict lookup, not a dataclass copy
