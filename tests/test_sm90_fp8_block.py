@@ -293,7 +293,8 @@ def test_every_dispatch_config_compiles_as_one_linear_executor_for_sm90a(tmp_pat
     jobs = [(replace(cfg, pdl=i % 2 == 0), Epilogue()) for i, cfg in enumerate(configs)]
     jobs += [(fbg._linear_config(64, 4096, 4096, epi, 132, True), epi) for epi in EPILOGUES[1:] if epi.requant is None]
     for i, (cfg, epi) in enumerate(jobs):
-        ptx = _ptx(tmp_path, f"linear{i}", lambda opts: fbg.compile_linear(cfg, epi, arch="sm_90a", options=opts))
+        ptx = _ptx(tmp_path, f"linear{i}", lambda opts, cfg=cfg, epi=epi: fbg.compile_linear(cfg, epi, arch="sm_90a",
+                                                                                      options=opts))
         assert ".target sm_90a" in ptx and ptx.count(".entry") == 2, (cfg, epi)
         assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx and "cp.async.bulk.tensor" in ptx, (cfg, epi)
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "rsqrt" not in ptx, (cfg, epi)
