@@ -86,6 +86,8 @@ def main():
              "fp8_block_linear op, ops.call, M=1": lambda: call(fbg.fp8_block_linear_op, x, w8, w8_scale),
              "fp8_block_linear op, dispatcher, M=512": lambda: fbg.fp8_block_linear_op(x512, w8, w8_scale),
              "fp8_block_linear op, ops.call, M=512": lambda: call(fbg.fp8_block_linear_op, x512, w8, w8_scale),
+             "act_quant + fp8_block_gemm (two executor calls), M=512": lambda: fp8_block(x512),
+             "fp8_block_linear (one executor call), M=512": lambda: fbg.fp8_block_linear(x512, w8, w8_scale),
              "QuantLinear fp8-block M=1": lambda: linears["fp8-block"](x),
              "QuantLinear fp8-block M=512": lambda: linears["fp8-block"](x512),
              "QuantLinear nvfp4-w4a16 M=1": lambda: linears["nvfp4-w4a16"](x),
