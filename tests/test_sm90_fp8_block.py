@@ -5,6 +5,7 @@ itself rounds with a norm-relative error of ~1.7e-3 on random data, so the < 1e-
 against the float64 result rounded to the output dtype, and the raw float64 error is bounded by
 the bf16 rounding floor.
 """
+import functools
 import math
 import re
 from dataclasses import replace
@@ -359,6 +360,7 @@ def test_linear_launches_both_kernels_as_programmatic_dependents_at_17_to_128_to
     monkeypatch.setattr(fgv, "use_gemv", lambda *a: False)
     monkeypatch.setattr(fbg, "num_sms", lambda device: 132)
     monkeypatch.setattr(fbg, "_plan", plan)
+    monkeypatch.setattr(fbg, "_linear_plan", functools.lru_cache(fbg._linear_plan.__wrapped__))  # a cache of its own
     monkeypatch.setattr(fbg, "launch_stream", lambda device, tvm_ffi: 0)
     w, ws = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn), torch.ones(32, 32)
     for m in (16, 17, 64, 65, 128, 129, 4096):

@@ -1042,23 +1042,31 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     if epilogue.requant is not None:
         raise ValueError("fp8_block_linear writes bf16: requant through act_quant and fp8_block_gemm")
     n, n_out = _check_weight(k, w, w_scale, epilogue)
-    pdl = 16 < m <= 128 if pdl is None else pdl
-    config = _linear_config(m, n, k, epilogue, num_sms(x.device), pdl)
-    rows = -(-m // config.tile_m) * config.tile_m if m > 16 else m  # the padded M stays in its dispatch bucket
     out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
     bias, residual, bias_fp32 = epilogue_operands(epilogue, m, n, n_out, bias, residual)
+    tvm_ffi = use_tvm_ffi()
+    rows, fn = _linear_plan(m, n, k, epilogue, bias_fp32, x.device, 16 < m <= 128 if pdl is None else pdl, tvm_ffi)
     q, x_scale = quantized_empty(rows, k, x.device)
     x, w, w_scale = x.contiguous(), w.contiguous(), w_scale.float().contiguous()
-    tvm_ffi = use_tvm_ffi()
-    fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi, linear=True)
     fn(x.data_ptr(), q.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), _ptr(bias),
        _ptr(residual), m, rows, n, k, groups_per_cta(m, k, rmsnorm=False), launch_stream(x.device, tvm_ffi))
     return out
 
 
-@functools.lru_cache(maxsize=4096)  # the eager per-call path: a dict lookup, not a dataclass copy
+@functools.lru_cache(maxsize=4096)  # the eager per-call path: one dict lookup
+def _linear_plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, device: torch.device, pdl: bool,
+                 tvm_ffi: bool):
+    """``(rows, executor)`` of :func:`fp8_block_linear` for one launch shape: the quantized
+    operands' height (whole token tiles beyond 16 tokens; the padded M stays in its dispatch
+    bucket) and :func:`compile_linear`'s executor for the dispatch tile with ``pdl``."""
+    config = _linear_config(m, n, k, epilogue, num_sms(device), pdl)
+    rows = -(-m // config.tile_m) * config.tile_m if m > 16 else m
+    return rows, _plan(m, n, k, epilogue, bias_fp32, device, config, tvm_ffi, linear=True)
+
+
+@functools.lru_cache(maxsize=4096)
 def _linear_config(m: int, n: int, k: int, epilogue: Epilogue, sms: int, pdl: bool) -> TileConfig:
     """:func:`pick_config`'s tile with ``pdl`` set, for :func:`fp8_block_linear`."""
     return replace(pick_config(m, n, k, epilogue, sms), pdl=pdl)
