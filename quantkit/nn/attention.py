@@ -102,8 +102,9 @@ def _register() -> None:
 def use_packed_gqa_attention(model: nn.Module, flex: bool = False) -> bool:
     """Switch a transformers ``model`` whose attention runs as ``sdpa`` (also inside quantkit's FP8
     KV-cache wrapper) to :func:`packed_gqa_sdpa`, in place; the model computes the same function.
-    With ``flex``, compiled single-token steps attend through FlexAttention over a ``BlockMask``
-    (module docstring). Returns whether it switched (``False`` for other implementations: eager,
+    With ``flex`` (experimental: Inductor on torch 2.11 fails to compile such a step for an H100,
+    docs/evaluation.md), compiled single-token steps attend through FlexAttention over a
+    ``BlockMask`` (module docstring). Returns whether it switched (``False`` for other implementations: eager,
     flash, flex)."""
     current = getattr(model.config, "_attn_implementation", None)
     if current not in ("sdpa", FP8_KV_PREFIX + "sdpa"):
