@@ -3,7 +3,8 @@ and its default Python executor: the NVFP4 W4A16 decode GEMV and WGMMA kernel at
 (activation quantization + WGMMA kernel) at M = 16, fp8-block (activation quantization + GEMM) at
 M = 1 and 16; bf16 ``F.linear`` for scale. Then the user's path: the fp8-block linear op called
 through the dispatcher and through :func:`quantkit.kernels.ops.call` (what the backends do in eager
-mode), and whole ``QuantLinear`` forwards.
+mode), the fp8-block linear at M = 512 as one executor call (``fp8_block_linear``) against its two
+calls (``act_quant`` + ``fp8_block_gemm``), and whole ``QuantLinear`` forwards.
 
 Run: ``python benchmarks/host_launch.py [--calls N]``. Per contender: ``N`` back-to-back eager calls
 after a warm-up; "host µs" is the enqueue time per call (perf_counter around the loop, no

@@ -100,16 +100,18 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys, monkeypa
         gemm_m="1,8",
         warmup=1,
         iters=2,
+        prefill_graph_tokens=64,
         out=tmp_path,
     )
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["baseline"] == "bf16"
+    assert report["baseline"] == "bf16" and report["meta"]["prefill_graph_tokens"] == 64
     assert [m["model"] for m in report["models"]] == ["bf16", "nvfp4"]
     assert attention == [PACKED_GQA_SDPA] * 2  # both models: tiny-llama has 2 query heads per KV head
     for model in report["models"]:
         assert [(r["batch"], r["seq"]) for r in model["prefill"]] == [(1, 32), (2, 16)]
         for r in model["prefill"]:
             assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["seconds"])
+            assert r["cuda_graph"] is False and r["note"] is None  # CPU: no CUDA graphs, nothing failed
         assert [(r["batch"], r["context"], r["cuda_graph"]) for r in model["decode"]] == [(1, 8, False), (2, 8, False)]
         for r in model["decode"]:
             assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["seconds_per_step"])

@@ -136,7 +136,6 @@ def eval_command(
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 8,
     device: Annotated[Optional[str], typer.Option(help="cuda | cpu (default: cuda if present).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Directory holding lambada_test.jsonl / wiki.test.raw (any depth): run lambada_openai, wikitext and wikitext2_ppl offline.")] = None,
-    prefill_graph_tokens: Annotated[int, typer.Option(min=0, help="On CUDA: prefill forwards of at most this many tokens (batch x seq) replay as captured CUDA graphs, as vLLM runs batches up to 512 tokens (0: none).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for eval.md, eval.json, eval_recovery.png.")] = Path("eval-results"),
     check_kernels: Annotated[bool, typer.Option("--check-kernels", help="Instead of tasks: run a few batches through the GPU kernels and the reference path and report logit error and top-1 agreement.")] = False,
     seq_len: Annotated[int, typer.Option(min=2, help="Window length of wikitext2_ppl, and of --check-kernels batches (capped at 512).")] = 2048,
