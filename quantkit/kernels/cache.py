@@ -79,6 +79,11 @@ def launch_stream(device, tvm_ffi: bool):
     return cuda.CUstream(stream)
 
 
+def data_ptr(tensor) -> int:
+    """A tensor's data pointer as the executors take it: 0 for ``None`` (an unused operand)."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
 @functools.cache
 def num_sms(device) -> int:
     """Streaming multiprocessors of the CUDA ``device`` (cached: launch paths ask on every call)."""

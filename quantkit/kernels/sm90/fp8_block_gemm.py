@@ -56,7 +56,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 import torch
 
-from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
+from quantkit.kernels.cache import data_ptr, launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
 from quantkit.kernels.sm90 import split_k
@@ -970,14 +970,9 @@ def fp8_block_gemm(x, x_scale, w, w_scale, epilogue: Epilogue = Epilogue(), bias
     x_scale, w_scale = scales_for_tma(x_scale), w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
     fn = _plan(m, n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    fn(_ptr(x), _ptr(w), _ptr(x_scale), _ptr(w_scale), _ptr(out), _ptr(bias), _ptr(residual), _ptr(out_scale), m,
-       x_rows, n, k, launch_stream(x.device, tvm_ffi))
+    fn(*map(data_ptr, (x, w, x_scale, w_scale, out, bias, residual, out_scale)), m, x_rows, n, k,
+       launch_stream(x.device, tvm_ffi))
     return (out, out_scale) if requant else out
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    """A tensor's data pointer, 0 for None (the executors' "unused operand")."""
-    return 0 if t is None else t.data_ptr()
 
 
 @kernel_op("quantkit::fp8_block_gemm")
@@ -1050,8 +1045,8 @@ def fp8_block_linear(x, w, w_scale, epilogue: Epilogue = Epilogue(), bias=None, 
     rows, fn = _linear_plan(m, n, k, epilogue, bias_fp32, x.device, 16 < m <= 128 if pdl is None else pdl, tvm_ffi)
     q, x_scale = quantized_empty(rows, k, x.device)
     x, w, w_scale = x.contiguous(), w.contiguous(), w_scale.float().contiguous()
-    fn(x.data_ptr(), q.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), _ptr(bias),
-       _ptr(residual), m, rows, n, k, groups_per_cta(m, k, rmsnorm=False), launch_stream(x.device, tvm_ffi))
+    fn(x.data_ptr(), q.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), data_ptr(bias),
+       data_ptr(residual), m, rows, n, k, groups_per_cta(m, k, rmsnorm=False), launch_stream(x.device, tvm_ffi))
     return out
 
 

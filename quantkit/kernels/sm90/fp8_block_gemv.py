@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
+from quantkit.kernels.cache import data_ptr, launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.sm90 import nvfp4_gemv as gv
 
@@ -302,7 +302,5 @@ def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epil
     w_scale = w_scale.float().contiguous()
     tvm_ffi = use_tvm_ffi()
     fn = _plan(1 << (m - 1).bit_length(), n, k, epilogue, bias_fp32, x.device, config, tvm_ffi)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    fn(ptr(x), ptr(w), ptr(w_scale), ptr(out), ptr(bias), ptr(residual), 0, 0, m, n, n_out, k,
-       launch_stream(x.device, tvm_ffi))
+    fn(*map(data_ptr, (x, w, w_scale, out, bias, residual)), 0, 0, m, n, n_out, k, launch_stream(x.device, tvm_ffi))
     return out

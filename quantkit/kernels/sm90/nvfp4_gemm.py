@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.kernels.cache import launch_stream, num_sms, use_tvm_ffi
+from quantkit.kernels.cache import data_ptr, launch_stream, num_sms, use_tvm_ffi
 from quantkit.kernels.epilogue import SWIGLU_GROUP, Epilogue, epilogue_operands
 from quantkit.kernels.ops import kernel_op
 from quantkit.kernels.sm90 import split_k
@@ -1116,10 +1116,9 @@ def launch_gemm(x_arg: torch.Tensor, w: Nvfp4Sm90Weight, epilogue: Epilogue, w4a
         ws = torch.empty(config.splits * tiles * 128 * config.warpgroups * config.bn // 2, dtype=torch.float32,
                          device=x_arg.device)
         counters = split_k.counter_buffer(x_arg.device)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stream = launch_stream(x_arg.device, tvm_ffi)
-    fn(ptr(x_arg), ptr(w.tiles), ptr(w.row_exp), ptr(x_scale), ptr(w.tensor_scale), ptr(out), ptr(bias),
-       ptr(residual), ptr(ws), ptr(counters), m, x_rows, n_pad, n_out, k, stream)
+    fn(*map(data_ptr, (x_arg, w.tiles, w.row_exp, x_scale, w.tensor_scale, out, bias, residual, ws, counters)), m, x_rows,
+       n_pad, n_out, k, stream)
     return out
 
 
