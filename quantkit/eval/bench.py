@@ -228,10 +228,17 @@ def prefill_call(forward: Callable[[], object], tokens: int, settings: BenchSett
     tokens, else ``forward`` itself, with the first line of the error where capture failed."""
     if device.type != "cuda" or tokens > settings.prefill_graph_tokens:
         return forward, False, None
+    return replay_or(forward, settings.warmup, "host-launched forwards")
+
+
+def replay_or(call: Callable[[], object], warmup: int, fallback: str) -> tuple[Callable[[], object], bool, str | None]:
+    """``(run, graph, note)``: the replay of ``call`` captured as a CUDA graph after ``warmup``
+    runs (:func:`capture_graph`), or where capture fails ``call`` itself, with a note naming the
+    ``fallback`` and the first line of the error."""
     try:
-        return capture_graph(forward, settings.warmup).replay, True, None
+        return capture_graph(call, warmup).replay, True, None
     except RuntimeError as error:
-        return forward, False, f"CUDA graph capture failed, host-launched forwards: {str(error).splitlines()[0][:160]}"
+        return call, False, f"CUDA graph capture failed, {fallback}: {str(error).splitlines()[0][:160]}"
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -289,10 +296,8 @@ def bench_decode(model: PreTrainedModel, settings: BenchSettings, log: Log = _si
         step, _ = greedy_decoder(model, _random_tokens(model, batch, settings.context), max_len, settings.compile)
         run, graph, note = step, False, None
         if device.type == "cuda" and settings.cuda_graphs:
-            try:  # warm-up steps run inside capture_graph; a captured step advances the cache on replay only
-                run, graph = capture_graph(step, settings.warmup).replay, True
-            except RuntimeError as error:
-                note = f"CUDA graph capture failed, eager steps: {str(error).splitlines()[0][:160]}"
+            # warm-up steps run inside capture_graph; a captured step advances the cache on replay only
+            run, graph, note = replay_or(step, settings.warmup, "eager steps")
         if not graph:
             for _ in range(settings.warmup):
                 step()
@@ -329,11 +334,8 @@ def bench_gemms(model: PreTrainedModel, settings: BenchSettings, log: Log = _sil
         for m in settings.gemm_m:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
             call, graph = (lambda: module(x)), False
-            if device.type == "cuda" and settings.cuda_graphs:
-                try:  # replays time the kernels, not the host's launch path
-                    call, graph = capture_graph(call, settings.warmup).replay, True
-                except RuntimeError:
-                    pass
+            if device.type == "cuda" and settings.cuda_graphs:  # replays time the kernels, not the host's launch path
+                call, graph, _ = replay_or(call, settings.warmup, "eager calls")
             seconds = time_call(call, warmup=settings.warmup, iters=settings.iters, device=device, warm_s=0.05)
             results.append(GemmResult(name, n, k, m, seconds, 2 * m * n * k / seconds / 1e12, graph))
         log(f"GEMMs of {name} ({n}x{k}) timed")

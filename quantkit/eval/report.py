@@ -143,6 +143,17 @@ def _side_by_side(
     return headers, rows
 
 
+def _grouped(benches: Sequence[ModelBench], results, label, reason) -> list[list[str]]:
+    """Rows ``[model, labels, reason]``: each model's ``results(bench)`` grouped by ``reason(r)``
+    (results whose reason is ``None`` are left out), ``label(r)`` joined in order."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for b in benches:
+        for r in results(b):
+            if (why := reason(r)) is not None:
+                groups.setdefault((b.model, why), []).append(label(r))
+    return [[model, ", ".join(labels), why] for (model, why), labels in groups.items()]
+
+
 def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> dict[str, TableData]:
     """The bench report's tables by title (those of prefill, decode and GEMMs that have rows, and
     notes where decode ran without CUDA graphs), models side by side, speed-ups against ``baseline``."""
@@ -162,26 +173,14 @@ def bench_tables(benches: Sequence[ModelBench], baseline: ModelBench | None) -> 
         ),
     }
     tables = {title: table for title, table in tables.items() if table[1]}  # what the run measured
-    eager: dict[tuple[str, str], list[str]] = {}
-    for b in benches:
-        for r in b.decode:
-            if not r.cuda_graph:
-                eager.setdefault((b.model, r.note or "CUDA graphs off, or not on CUDA"), []).append(str(r.batch))
+    eager = _grouped(benches, lambda b: b.decode, lambda r: str(r.batch),
+                     lambda r: None if r.cuda_graph else r.note or "CUDA graphs off, or not on CUDA")
     if eager:
-        tables["Decode steps run eagerly (no CUDA graph)"] = (
-            ["model", "batches", "why"],
-            [[model, ", ".join(batches), why] for (model, why), batches in eager.items()],
-        )
-    graphs: dict[tuple[str, str], list[str]] = {}
-    for b in benches:
-        for r in b.prefill:
-            if r.cuda_graph or r.note:
-                how = "CUDA graph replays (no host launch time)" if r.cuda_graph else r.note
-                graphs.setdefault((b.model, how), []).append(f"{r.batch}x{r.seq}")
+        tables["Decode steps run eagerly (no CUDA graph)"] = (["model", "batches", "why"], eager)
+    graphs = _grouped(benches, lambda b: b.prefill, lambda r: f"{r.batch}x{r.seq}",
+                      lambda r: "CUDA graph replays (no host launch time)" if r.cuda_graph else r.note)
     if graphs:
-        tables["Prefill shapes timed as CUDA graphs"] = (
-            ["model", "shapes", "how"], [[model, ", ".join(shapes), how] for (model, how), shapes in graphs.items()],
-        )
+        tables["Prefill shapes timed as CUDA graphs"] = (["model", "shapes", "how"], graphs)
     eager_gemms = [[b.model, f"{sum(not r.cuda_graph for r in b.gemms)} of {len(b.gemms)}",
                     "host launch time included; the rest: CUDA-graph replays"]
                    for b in benches if any(not r.cuda_graph for r in b.gemms)]
