@@ -1061,9 +1061,9 @@ def _linear_plan(m: int, n: int, k: int, epilogue: Epilogue, bias_fp32: bool, de
     return rows, _plan(m, n, k, epilogue, bias_fp32, device, config, tvm_ffi, linear=True)
 
 
-@functools.lru_cache(maxsize=4096)
 def _linear_config(m: int, n: int, k: int, epilogue: Epilogue, sms: int, pdl: bool) -> TileConfig:
-    """:func:`pick_config`'s tile with ``pdl`` set, for :func:`fp8_block_linear`."""
+    """:func:`pick_config`'s tile with ``pdl`` set, for :func:`fp8_block_linear` (through
+    :func:`_linear_plan`'s cache)."""
     return replace(pick_config(m, n, k, epilogue, sms), pdl=pdl)
 
 
