@@ -12,9 +12,11 @@ GQA kernels do. Prefill (more than one query token) and features SDPA cannot tak
 transformers' ``sdpa`` unchanged.
 
 With ``flex=True`` a compiled decode step attends through FlexAttention instead: the model's mask
-for one query token becomes a ``BlockMask`` (built once per forward from ``sdpa``'s mask), and
-FlexAttention's split-KV decoding kernel skips the cache blocks no query may see (a static cache's
-unfilled tail). Per layer on Llama-3.1-8B heads at 512 of 640 cache positions: 19.6 / 19.0 / 37.5 µs
+for one query token becomes a ``BlockMask``, and FlexAttention's split-KV decoding kernel skips the
+cache blocks no query may see (a static cache's unfilled tail). The ``BlockMask`` is built once per
+forward from ``sdpa``'s mask, eagerly: a graph break, invisible under CUDA-graph replay (Inductor on
+torch 2.11 failed to compile the decoding template for an H100 with the mask built inside the same
+graph). Per layer on Llama-3.1-8B heads at 512 of 640 cache positions: 19.6 / 19.0 / 37.5 µs
 against packed SDPA's 27.8 / 28.9 / 53.7 at batch 1 / 8 / 32 (H100, ``benchmarks/decode_attention.py``,
 session 37). Eager steps and prefill keep the SDPA paths (FlexAttention runs only compiled). On CPU
 Inductor does not lower the ``BlockMask``'s captured mask (torch 2.13; ``aot_eager`` runs it).
@@ -45,19 +47,25 @@ def packed_gqa_sdpa(
     ``attention_mask`` boolean or additive ``[B|1, 1|H, T, S]`` or ``None``; returns ``([B, T, H, D],
     None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` with one mask for all heads, each
     key/value head is attended by its ``G`` query heads at once, without copying the keys and
-    values; otherwise transformers' ``sdpa`` computes it. A FlexAttention ``BlockMask``
-    (:func:`decode_block_mask`) goes to transformers' ``flex_attention_forward``."""
+    values; otherwise transformers' ``sdpa`` computes it. Over a FlexAttention ``BlockMask``
+    (:func:`decode_block_mask`) FlexAttention computes it (transformers' ``flex_attention_forward``
+    where a softcap, position bias or attention sinks are given)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    special = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # decode_block_mask's BlockMask
-        from transformers.integrations.flex_attention import flex_attention_forward
+        if special:
+            from transformers.integrations.flex_attention import flex_attention_forward
 
-        return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0], None
+            return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0], None
+        from torch.nn.attention import flex_attention
+
+        out = flex_attention.flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
-    if (q_len != 1 or groups == 1 or per_head_mask
-            or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
+    if q_len != 1 or groups == 1 or per_head_mask or special or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     query = query.reshape(batch, heads // groups, groups, dim)  # [B, H_kv, G, D]: the mask broadcasts over G
@@ -69,19 +77,28 @@ def packed_gqa_sdpa(
 def decode_block_mask(**kwargs):
     """transformers' mask-interface signature (keyword arguments as ``create_causal_mask`` passes
     them): ``sdpa_mask``'s mask (boolean ``[B, 1, T, S]`` or ``None``), and inside ``torch.compile``
-    for one query token the same mask as a FlexAttention ``BlockMask``, whose ``mask_mod`` reads that
-    boolean tensor (this step's values: the cache advances the offsets the mask came from in place
-    before the attention runs)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    for one query token the same mask as a FlexAttention ``BlockMask`` (:func:`_block_mask`)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**kwargs)
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
     if mask is None or q_length != 1 or not torch.compiler.is_compiling():
         return mask
-    batch, length = kwargs["batch_size"], mask.shape[-1]
-    allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0, 0].expand(batch, length)
-    return create_block_mask(lambda b, h, q, kv: allowed[b, kv], batch, None, 1, length, device=mask.device)
+    allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0, 0]
+    return _block_mask(allowed.expand(kwargs["batch_size"], mask.shape[-1]))
+
+
+@torch.compiler.disable
+def _block_mask(allowed: torch.Tensor):
+    """The FlexAttention ``BlockMask`` of one query token over ``allowed`` (boolean ``[B, S]``, True
+    = attend), built eagerly (outside any compiled graph). Its ``mask_mod`` reads a copy of
+    ``allowed``, this step's mask: the cache advances the offsets the mask came from in place before
+    the attention runs."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    allowed = allowed.contiguous()
+    batch, length = allowed.shape
+    return create_block_mask(lambda b, h, q, kv: allowed[b, kv], batch, None, 1, length, device=allowed.device)
 
 
 def _register() -> None:
