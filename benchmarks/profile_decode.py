@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--flex", action="store_true", help="FlexAttention decoding over a BlockMask (quantkit bench --flex-attention)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU operators instead of kernels)")
     args = p.parse_args()
+    if args.flex and args.device == "cpu":
+        p.error("--flex needs a CUDA device, as quantkit bench --flex-attention does")
 
     model = bench.random_init_model(bench.load_config(args.config), device=args.device)
     if args.format != "bf16":

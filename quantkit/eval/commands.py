@@ -268,8 +268,9 @@ def bench_command(
         raise typer.BadParameter("FlexAttention runs only compiled: add --compile", param_hint="--flex-attention")
     device = _default_device(device)
     if flex_attention and not device.startswith("cuda"):
-        raise typer.BadParameter("needs a CUDA device (Inductor's CPU FlexAttention does not lower the cache mask)",
-                                 param_hint="--flex-attention")
+        raise typer.BadParameter(
+            "needs a CUDA device (Inductor's CPU FlexAttention template fails on the bf16 step: unsupported epilogue)",
+            param_hint="--flex-attention")
     settings = BenchSettings(
         prefill_shapes=_shapes(prefill, "--prefill"), decode_batches=_ints(decode_batches, "--decode-batches"),
         context=context, decode_steps=decode_steps, gemm_m=_ints(gemm_m, "--gemm-m"), warmup=warmup, iters=iters,
