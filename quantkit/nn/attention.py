@@ -49,16 +49,11 @@ def packed_gqa_sdpa(
     None)``, softmax(``q·kᵀ·scaling`` + mask)·v. At ``T = 1`` with one mask for all heads, each
     key/value head is attended by its ``G`` query heads at once, without copying the keys and
     values; otherwise transformers' ``sdpa`` computes it. Over a FlexAttention ``BlockMask``
-    (:func:`decode_block_mask`) FlexAttention computes it (transformers' ``flex_attention_forward``
-    where a softcap, position bias or attention sinks are given)."""
+    (:func:`decode_block_mask`; only models that ``sdpa`` serves get one, so no softcap) FlexAttention
+    computes it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    special = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # decode_block_mask's BlockMask
-        if special:
-            from transformers.integrations.flex_attention import flex_attention_forward
-
-            return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0], None
         from torch.nn.attention import flex_attention
 
         out = flex_attention.flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
@@ -66,6 +61,7 @@ def packed_gqa_sdpa(
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
+    special = any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
     if q_len != 1 or groups == 1 or per_head_mask or special or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
