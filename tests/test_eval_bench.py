@@ -261,6 +261,28 @@ def test_compiled_decode_steps_are_one_graph_equal_to_eager_steps(fmt, fuse):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_compiled_decode_is_one_static_graph_per_model_and_batch_size():
+    """``bench --compile`` decode: every batch size of every model gets its own graph with a static
+    batch (a symbolic one sends FlexAttention to its prefill template on the GPU), also past
+    dynamo's limit of 8 compiled graphs per function (beyond it, steps would silently run eager)."""
+    import quantkit
+
+    batches = []
+
+    def backend(gm, example_inputs):  # records the batch size the graph was specialized to
+        tokens = next(n for n in gm.graph.find_nodes(op="placeholder") if "tokens" in n.name)
+        batches.append(tokens.meta["example_value"].shape[0])
+        return gm.forward
+
+    settings = bench.BenchSettings(decode_batches=(1, 3, 2), context=8, decode_steps=2, warmup=1, compile=backend)
+    for fmt in ("bf16", "nvfp4-w4a16", "fp8-block"):
+        model = bench.random_init_model(bench.load_config("tiny-llama"), device="cpu", dtype=torch.float32)
+        if fmt != "bf16":
+            quantkit.quantize_model(model, format=fmt)
+        bench.bench_decode(model, settings)
+    assert batches == [1, 3, 2] * 3 and all(type(b) is int for b in batches)
+
+
 def test_compiled_prefill_times_the_compiled_model(monkeypatch):
     """``bench --compile`` prefill: every shape runs through one ``torch.compile`` of the model."""
     import quantkit

@@ -209,6 +209,8 @@ def bench_prefill(model: PreTrainedModel, settings: BenchSettings, log: Log = _s
     as CUDA graph replays up to ``settings.prefill_graph_tokens`` tokens); ``log`` gets one line
     per measurement."""
     device = model_device(model)
+    if settings.compile:
+        torch.compiler.reset()  # each model compiles afresh: models of other formats fail the guards
     forward = torch.compile(model, backend=settings.compile) if settings.compile else model
     results = []
     for batch, seq in settings.prefill_shapes:
@@ -269,7 +271,10 @@ def greedy_decoder(
     each ``step()`` feeds it and overwrites it in place with the next greedy token. Every tensor
     ``step`` touches stays put, so it can be captured as a CUDA graph (call under
     ``torch.inference_mode()``). ``compile_backend``: run the steps (not the prefill) through
-    ``torch.compile`` with this backend."""
+    ``torch.compile`` with this backend, specialized to this batch size (``dynamic=False``, as serving
+    engines capture one CUDA graph per batch size): a step compiled for one batch and then called
+    with another would be recompiled with a symbolic batch, and Inductor lowers FlexAttention with a
+    symbolic batch to its prefill template instead of its split-KV decoding one."""
     cache_arg = {_cache_kwarg(model): StaticCache(config=model.config, max_cache_len=max_cache_len)}
     logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_arg).logits
     tokens = logits[:, -1].argmax(-1, keepdim=True)
@@ -278,7 +283,7 @@ def greedy_decoder(
         logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **cache_arg).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
-    run = torch.compile(forward, backend=compile_backend) if compile_backend else forward
+    run = torch.compile(forward, backend=compile_backend, dynamic=False) if compile_backend else forward
 
     def step() -> None:
         tokens.copy_(run())
@@ -292,6 +297,8 @@ def bench_decode(model: PreTrainedModel, settings: BenchSettings, log: Log = _si
     device = model_device(model)
     results = []
     for batch in settings.decode_batches:
+        if settings.compile:  # one static graph per batch size, none left over to count
+            torch.compiler.reset()  # against dynamo's recompile limit (8), past which steps run eager
         max_len = settings.context + 2 * settings.warmup + settings.decode_steps + 1  # capture may fail after its warm-up
         step, _ = greedy_decoder(model, _random_tokens(model, batch, settings.context), max_len, settings.compile)
         run, graph, note = step, False, None
