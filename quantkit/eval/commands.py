@@ -245,7 +245,7 @@ def bench_command(
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
-    flex_attention: Annotated[bool, typer.Option("--flex-attention", help="Experimental, with --compile: decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models). On an H100 (torch 2.11) +3 % tokens/s at batch 1 but -10 % at 8 and -40 % at 32 against the default packed SDPA (docs/evaluation.md).")] = False,
+    flex_attention: Annotated[bool, typer.Option("--flex-attention", help="Experimental, with --compile: decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models). Each batch size compiles its own static graph: with a symbolic batch Inductor runs FlexAttention's prefill template instead (docs/evaluation.md).")] = False,
     prefill_graph_tokens: Annotated[int, typer.Option(min=0, help="On CUDA: prefill forwards of at most this many tokens (batch x seq) replay as captured CUDA graphs, as vLLM runs batches up to 512 tokens (0: none).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
