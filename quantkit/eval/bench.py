@@ -62,7 +62,7 @@ class BenchSettings:
     warmup: int = 3
     iters: int = 10
     cuda_graphs: bool = True
-    compile: str | None = None  # a torch.compile backend ("inductor") for prefill and decode steps
+    compile: str | Callable | None = None  # a torch.compile backend ("inductor", or a backend function)
     fuse: bool = False  # q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), in place
     flex_attention: bool = False  # compiled decode steps attend through FlexAttention (use_packed_gqa_attention)
     prefill_graph_tokens: int = 0  # prefill forwards of at most this many tokens replay as CUDA graphs
@@ -264,7 +264,7 @@ def capture_graph(step: Callable[[], None], warmup: int) -> torch.cuda.CUDAGraph
 
 
 def greedy_decoder(
-    model: PreTrainedModel, prompt: torch.Tensor, max_cache_len: int, compile_backend: str | None = None
+    model: PreTrainedModel, prompt: torch.Tensor, max_cache_len: int, compile_backend: str | Callable | None = None
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """Prefill ``prompt`` [B, T] (int64) into a static KV cache of ``max_cache_len`` positions and
     return ``(step, tokens)``: ``tokens`` [B, 1] starts as the greedy token after the prompt, and
