@@ -30,9 +30,7 @@ def main() -> None:
     t0 = time.time()
     models = {}
     for fmt in a.formats.split(","):
-        model = bench.random_init_model(bench.load_config(a.config), device=a.device)
-        if fmt != "bf16":
-            quantkit.quantize_model(model, fmt)
+        model = bench.random_init_model(bench.load_config(a.config), device=a.device, format=fmt)
         quantkit.fuse_projections(model)
         models[fmt] = model
     for batch in (int(b) for b in a.batches.split(",")):

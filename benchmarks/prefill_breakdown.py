@@ -46,9 +46,7 @@ def family(name: str) -> str:
 @torch.inference_mode()
 def breakdown(fmt: str, batch: int, seq: int, iters: int, fuse: bool = False, compiled: bool = False,
               host_ops: int = 0) -> dict:
-    model = random_init_model(load_config("llama-3.1-8b"), device="cuda")
-    if fmt != "bf16":
-        quantkit.quantize_model(model, format=fmt)
+    model = random_init_model(load_config("llama-3.1-8b"), device="cuda", format=fmt)
     if fuse:
         quantkit.fuse_projections(model)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")

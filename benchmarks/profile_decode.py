@@ -33,9 +33,7 @@ def main() -> None:
     if args.flex and args.device == "cpu":
         p.error("--flex needs a CUDA device, as quantkit bench --flex-attention does")
 
-    model = bench.random_init_model(bench.load_config(args.config), device=args.device)
-    if args.format != "bf16":
-        quantkit.quantize_model(model, format=args.format)
+    model = bench.random_init_model(bench.load_config(args.config), device=args.device, format=args.format)
     if not args.repeat_kv:  # as `quantkit bench` runs it
         quantkit.nn.use_packed_gqa_attention(model, flex=args.flex)
     if args.fuse:

@@ -45,6 +45,7 @@ from transformers import (
 from quantkit.eval.perplexity import model_device
 from quantkit.nn.attention import use_packed_gqa_attention
 from quantkit.nn.fuse import fuse_projections
+from quantkit.nn.swap import quantize_model
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -143,13 +144,17 @@ def load_config(name_or_path: str) -> PretrainedConfig:
 
 
 def random_init_model(
-    config: PretrainedConfig, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    config: PretrainedConfig, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+    format: str = "bf16",
 ) -> PreTrainedModel:
     """A causal LM of architecture ``config`` with random weights (seeded), created directly on
-    ``device`` in ``dtype``, in eval mode."""
+    ``device`` in ``dtype``, in eval mode; quantized round-to-nearest to ``format`` unless it is
+    ``"bf16"`` (:func:`quantkit.quantize_model`)."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if format != "bf16":
+        quantize_model(model, format=format)
     return model.eval()
 
 

@@ -288,15 +288,8 @@ def bench_command(
         except (FileNotFoundError, ValueError) as error:  # no such config, or not a config (JSON errors included)
             fail(f"--random-init {random_init}: {error}")
 
-        def build(fmt: str):
-            model = random_init_model(config, device=device)
-            if fmt != "bf16":
-                import quantkit
-
-                quantkit.quantize_model(model, format=fmt)
-            return model
-
-        targets = [(fmt, lambda fmt=fmt: build(fmt)) for fmt in _formats(target, allow_bf16=True)]
+        targets = [(fmt, lambda fmt=fmt: random_init_model(config, device=device, format=fmt))
+                   for fmt in _formats(target, allow_bf16=True)]
     else:
         config = None
 
