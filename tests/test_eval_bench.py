@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from quantkit.eval import bench, commands
 from quantkit.eval.commands import bench_command
-from quantkit.nn.attention import PACKED_GQA_SDPA
+from quantkit.nn.attention import PACKED_GQA_FLEX, PACKED_GQA_SDPA
 
 
 @pytest.mark.parametrize(
@@ -105,6 +105,7 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys, monkeypa
     )
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["baseline"] == "bf16" and report["meta"]["prefill_graph_tokens"] == 64
+    assert report["meta"]["flex_attention"] is False  # resolved: not compiled, not on CUDA
     assert [m["model"] for m in report["models"]] == ["bf16", "nvfp4"]
     assert attention == [PACKED_GQA_SDPA] * 2  # both models: tiny-llama has 2 query heads per KV head
     for model in report["models"]:
@@ -131,6 +132,23 @@ def test_bench_command_end_to_end_on_tiny_random_init(tmp_path, capsys, monkeypa
             f"{name}: prefill 1x32: {tokens[0]} tokens/s", f"{name}: prefill 2x16: {tokens[1]} tokens/s",
             f"{name}: decode batch 1: {model['decode'][0]['tokens_per_s']:,.1f} tokens/s"]
     assert len(progress) == 2 * (2 + 2 + 8)  # prefill shapes, decode batches, linears
+
+
+@pytest.mark.parametrize("flex,backend,device,expected", [
+    (None, "inductor", "cuda", True), (None, "inductor", "cuda:1", True), (None, None, "cuda", False),
+    (None, "inductor", "cpu", False), (False, "inductor", "cuda", False), (True, "inductor", "cpu", True)])
+def test_bench_model_attends_through_flex_when_compiled_on_cuda_unless_told(monkeypatch, flex, backend, device,
+                                                                           expected):
+    """FlexAttention is the default for compiled decode steps on CUDA (faster there at batch 1, 8 and
+    32); an explicit ``flex_attention`` wins; the model is switched before anything is timed."""
+    seen = []
+    monkeypatch.setattr(bench, "model_device", lambda model: torch.device(device))
+    for stage in ("bench_prefill", "bench_decode", "bench_gemms"):
+        monkeypatch.setattr(bench, stage, lambda model, *a: seen.append(model.config._attn_implementation) or [])
+    settings = bench.BenchSettings(compile=backend, flex_attention=flex)
+    assert settings.uses_flex(device) is expected
+    bench.bench_model(bench.random_init_model(bench.load_config("tiny-llama"), device="cpu"), "bf16", settings)
+    assert seen == [PACKED_GQA_FLEX if expected else PACKED_GQA_SDPA] * 3
 
 
 @pytest.mark.parametrize("device,tvm_ffi,warned", [("cuda", False, True), ("cuda:1", False, True), ("cuda", True, False),

@@ -245,7 +245,7 @@ def bench_command(
     cuda_graphs: Annotated[bool, typer.Option(help="Capture decode steps as CUDA graphs (on CUDA).")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="Run prefill forwards and decode steps (before capture) through torch.compile (Inductor), for both models.")] = False,
     fuse: Annotated[bool, typer.Option("--fuse", help="Run q/k/v and gate/up as one GEMM each (quantkit.fuse_projections), for both models.")] = False,
-    flex_attention: Annotated[bool, typer.Option("--flex-attention", help="Experimental, with --compile: decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models). Each batch size compiles its own static graph: with a symbolic batch Inductor runs FlexAttention's prefill template instead (docs/evaluation.md).")] = False,
+    flex_attention: Annotated[Optional[bool], typer.Option("--flex-attention/--no-flex-attention", help="Compiled decode steps attend through FlexAttention's split-KV decoding kernel, skipping unfilled cache blocks (both models), or through packed SDPA. Default: FlexAttention with --compile on CUDA, where it measured faster at batch 1, 8 and 32; each batch size compiles its own static graph (docs/evaluation.md).", show_default=False)] = None,
     prefill_graph_tokens: Annotated[int, typer.Option(min=0, help="On CUDA: prefill forwards of at most this many tokens (batch x seq) replay as captured CUDA graphs, as vLLM runs batches up to 512 tokens (0: none).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for bench.md, bench.json, bench_throughput.png.")] = Path("bench-results"),
 ) -> None:
@@ -277,7 +277,8 @@ def bench_command(
         cuda_graphs=cuda_graphs, compile="inductor" if compile_model else None, fuse=fuse,
         flex_attention=flex_attention, prefill_graph_tokens=prefill_graph_tokens,
     )
-    meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline, **asdict(settings))
+    meta = _run_meta(device, target=target, random_init=random_init, baseline=baseline,
+                     **{**asdict(settings), "flex_attention": settings.uses_flex(device)})
     if warning := _launch_warning(device):
         meta["warning"] = warning
         console.print(f"warning: {warning}", highlight=False)

@@ -18,10 +18,11 @@ forward from ``sdpa``'s mask, eagerly: a graph break, invisible under CUDA-graph
 torch 2.11 failed to compile the decoding template for an H100 with the mask built inside the same
 graph). Per layer on Llama-3.1-8B heads at 512 of 640 cache positions: 19.6 / 19.0 / 37.5 µs
 against packed SDPA's 27.8 / 28.9 / 53.7 at batch 1 / 8 / 32 (H100, ``benchmarks/decode_attention.py``,
-session 37). Inductor takes that decoding template only for a static batch: a step compiled with a
-symbolic batch runs FlexAttention's prefill template, slower than packed SDPA at batch 8 and 32
-(docs/evaluation.md). Eager steps and prefill keep the SDPA paths (FlexAttention runs
-only compiled).
+session 37); whole compiled decode steps ran 2-5 % faster than with packed SDPA at batch 1, 8 and
+32 (session 42), so ``quantkit bench`` attends this way when it compiles on CUDA. Inductor takes
+that decoding template only for a static batch: a step compiled with a symbolic batch runs
+FlexAttention's prefill template, slower than packed SDPA at batch 8 and 32 (docs/evaluation.md).
+Eager steps and prefill keep the SDPA paths (FlexAttention runs only compiled).
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def _register() -> None:
 def use_packed_gqa_attention(model: nn.Module, flex: bool = False) -> bool:
     """Switch a transformers ``model`` whose attention runs as ``sdpa`` (also inside quantkit's FP8
     KV-cache wrapper) to :func:`packed_gqa_sdpa`, in place; the model computes the same function.
-    With ``flex`` (experimental; compile the step for a static batch, docs/evaluation.md), compiled
+    With ``flex`` (compile the step for a static batch, docs/evaluation.md), compiled
     single-token steps attend through FlexAttention over a ``BlockMask`` (module docstring). Returns
     whether it switched (``False`` for other implementations: eager, flash, flex)."""
     current = getattr(model.config, "_attn_implementation", None)
