@@ -2,7 +2,7 @@
 graph of an Inductor-compiled decode step (on CPU: the compiled step) of a random-init model,
 kernel time per step grouped by kernel name.
 
-    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40] [--fuse] [--repeat-kv | --flex]
+    python benchmarks/profile_decode.py --format nvfp4-w4a16 [--config llama-3.1-8b] [--batch 1] [--sequence 40] [--fuse] [--attention flex|packed|repeat-kv]
 """
 from __future__ import annotations
 
@@ -25,17 +25,20 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels of a step in launch order")
     p.add_argument("--fuse", action="store_true", help="quantkit.fuse_projections first (q/k/v, gate/up as one GEMM)")
-    p.add_argument("--repeat-kv", action="store_true",
-                   help="transformers' own sdpa attention (copies the cache per query head under compile)")
-    p.add_argument("--flex", action="store_true", help="FlexAttention decoding over a BlockMask (quantkit bench --flex-attention)")
+    p.add_argument("--attention", choices=("flex", "packed", "repeat-kv"),
+                   help="FlexAttention decoding over a BlockMask, packed-GQA SDPA, or transformers' own sdpa "
+                        "(copies the cache per query head under compile); default: as `quantkit bench --compile` "
+                        "on this device (flex on CUDA, packed on CPU)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (CPU operators instead of kernels)")
     args = p.parse_args()
-    if args.flex and args.device == "cpu":
-        p.error("--flex needs a CUDA device, as quantkit bench --flex-attention does")
+    flex_default = bench.BenchSettings(compile="inductor").uses_flex(args.device)
+    attention = args.attention or ("flex" if flex_default else "packed")
+    if attention == "flex" and args.device == "cpu":
+        p.error("--attention flex needs a CUDA device, as quantkit bench --flex-attention does")
 
     model = bench.random_init_model(bench.load_config(args.config), device=args.device, format=args.format)
-    if not args.repeat_kv:  # as `quantkit bench` runs it
-        quantkit.nn.use_packed_gqa_attention(model, flex=args.flex)
+    if attention != "repeat-kv":
+        quantkit.nn.use_packed_gqa_attention(model, flex=attention == "flex")
     if args.fuse:
         quantkit.fuse_projections(model)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device=args.device)
