@@ -28,9 +28,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
     t0 = time.time()
-    models = {}
+    config, models = bench.load_config(a.config), {}
     for fmt in a.formats.split(","):
-        model = bench.random_init_model(bench.load_config(a.config), device=a.device, format=fmt)
+        model = bench.random_init_model(config, device=a.device, format=fmt)
         quantkit.fuse_projections(model)
         models[fmt] = model
     for batch in (int(b) for b in a.batches.split(",")):
