@@ -1,16 +1,21 @@
 """Check and benchmark the sm90 NVFP4 GEMMs (W4A16, W4A8) on one Hopper GPU.
 
 Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 70b] [--quick]
-[--no-quack] [--tune] [--variants] [--floors]``; notes and results: ``benchmarks/notes/nvfp4.md``.
+[--no-quack] [--no-tinygemm] [--tune] [--variants] [--floors]``; notes and results:
+``benchmarks/notes/nvfp4.md``.
 
 1. **Check** (a subprocess, overlapping the benchmark's compiles): every kernel on fresh
    random-normal inputs, output poisoned with NaN, compared with float64 math: W4A16 with the
    dequantized weight, W4A8 with :func:`quantkit.formats.w4a8.accumulate` (its documented
-   rounding), for M in {1, 3, 16, 64, 257, 4096} and each epilogue kind.
+   rounding), for M in {1, 3, 16, 64, 257, 4096} and each epilogue kind; the tinygemm contender
+   against float64 math on its own int4 weight.
 2. **Benchmark**: Llama-3-8B and -70B projection shapes at M in {1, 4, 16, 64, 256, 4096}
    (W4A8 also at 1024, 2048 for the crossover): ours (W4A16, W4A8 incl. its activation
    quantization), bf16 cuBLAS (``F.linear``), dequantize-then-matmul, and QuACK
-   ``gemm_w4a16(wformat="nvfp4")`` at M <= 64 when importable. Median of CUDA-graph replays (CUDA
+   ``gemm_w4a16(wformat="nvfp4")`` at M <= 64 when importable, and torchao's int4 weight-only
+   kernel (tinygemm, ``aten._weight_int4pack_mm``, group 128: what ``Int4WeightOnlyConfig`` runs
+   with ``int4_packing_format="tile_packed_to_4d"``) at M <= 256 on an int4 copy of the weight
+   (4.25 bits per weight against NVFP4's 4.5). Median of CUDA-graph replays (CUDA
    events), a row's contenders timed in turn over 3 rounds (median round);
    weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
    (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
@@ -53,6 +58,7 @@ SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 W4A8_MS = [64, 256, 1024, 2048, 4096]
 L2_BYTES = 50 * 2**20
+TINYGEMM_GROUP, TINYGEMM_MAX_M = 128, 256
 
 
 def log(msg, fh=None):
@@ -91,6 +97,28 @@ def dequant(qw) -> torch.Tensor:
     n, kh = qw.data.shape
     vals = _LUT[dev][unpack_nibbles(qw.data).int()].view(n, -1, 16) * qw.scale.float()[..., None]
     return vals.view(n, 2 * kh) * qw.tensor_scale.float()
+
+
+def int4_tinygemm(w: torch.Tensor, group: int = TINYGEMM_GROUP):
+    """torchao's int4 weight-only quantization of ``w`` [n, k] for tinygemm: per ``group`` along K
+    an asymmetric uint4 code ``q = round((w - min) / s)``, ``s = (max - min) / 15`` and a float zero
+    point ``z = min + 8 s`` (both bf16), so ``w ≈ (q - 8)·s + z``. Returns ``(packed, sz, deq)``:
+    ``packed`` for ``aten._weight_int4pack_mm`` (inner k-tiles 8, on ``w``'s CUDA device),
+    ``sz`` [k/group, n, 2] bf16 (scale, zero) and ``deq`` [n, k] FP32, the weight it computes with."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = (hi - lo).clamp(min=1e-6) / 15
+    q = ((g - lo[..., None]) / s[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
+    s16, z16 = s.to(torch.bfloat16), (lo + 8 * s).to(torch.bfloat16)
+    deq = (q.view(n, -1, group).float() - 8) * s16.float()[..., None] + z16.float()[..., None]
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+    return packed, torch.stack([s16, z16], -1).transpose(0, 1).contiguous(), deq.view(n, k)
+
+
+def tinygemm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x`` [m, k] bf16 times the int4 weight of :func:`int4_tinygemm`, transposed: [m, n] bf16."""
+    return torch.ops.aten._weight_int4pack_mm(x, packed, TINYGEMM_GROUP, sz)
 
 
 # ----------------------------------------------------------------------------------- check
@@ -132,6 +160,15 @@ def check_act_quant(m, k):
     return torch.equal(xq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
 
 
+def check_tinygemm(m, n, k):
+    """The tinygemm contender against float64 math on its own int4 weight: relative error."""
+    torch.manual_seed(m + n + k)
+    packed, sz, deq = int4_tinygemm(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = x.double() @ deq.double().T
+    return float((tinygemm(x, packed, sz).double() - ref).norm() / ref.norm())
+
+
 def run_check(fh, gemv_only: bool = False) -> bool:
     cases = [] if gemv_only else [(mode, m, 1000, 2048, Epilogue()) for mode in ("w4a16", "w4a8") for m in (1, 3, 16, 64, 257, 4096)]
     variants = []
@@ -157,6 +194,13 @@ def run_check(fh, gemv_only: bool = False) -> bool:
         good = check_act_quant(m, k)
         log(f"CHECK {'PASS' if good else 'FAIL'} act_quant M={m} K={k} bit-exact", fh)
         ok &= good
+    for m, n, k in () if gemv_only else ((1, 4096, 4096), (16, 6144, 4096), (64, 1024, 14336)):
+        try:
+            err = check_tinygemm(m, n, k)
+            log(f"CHECK {'PASS' if err < 4e-3 else 'FAIL'} tinygemm (contender) M={m} N={n} K={k}: "
+                f"rel_err={err:.2e}", fh)
+        except Exception:  # noqa: BLE001  (a contender, not ours: its failure fails no check)
+            log(f"CHECK ERROR tinygemm (contender) M={m}:\n{traceback.format_exc(limit=3)}", fh)
     for i, (mode, m, n, k, epi) in enumerate(cases):
         t0 = time.time()
         timer = watchdog(240, f"check {mode} m={m} {epi}")
@@ -227,9 +271,9 @@ def load_quack():
 ROUNDS = 3  # rounds of a benchmark row's contenders
 
 
-def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=True):
-    """Time every contender of a row in turn (QuACK too, at M <= 64), ``ROUNDS`` rounds, each
-    contender's median round; nothing new after ``deadline`` (time.time())."""
+def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=True, with_tinygemm=True):
+    """Time every contender of a row in turn (QuACK too, at M <= 64; tinygemm at M <= 256),
+    ``ROUNDS`` rounds, each contender's median round; nothing new after ``deadline`` (time.time())."""
     quack = load_quack() if with_quack else None
     rows = []
     for name in shapes:
@@ -249,6 +293,13 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     qblobs = [quack[1](qw.data, qw.scale, wformat="nvfp4") for _ in range(nw)]
                 except Exception:  # noqa: BLE001
                     log(f"QuACK prepare failed: {traceback.format_exc()}", fh)
+            int4s, int4_bytes = [], n * k // 2 + 4 * n * (k // TINYGEMM_GROUP)
+            if with_tinygemm and min(ms) <= TINYGEMM_MAX_M:
+                try:
+                    packed, sz, _ = int4_tinygemm(dequant(qw))
+                    int4s = [(packed.clone(), sz.clone()) for _ in range(copies_for(int4_bytes))]
+                except Exception:  # noqa: BLE001
+                    log(f"tinygemm packing failed: {traceback.format_exc(limit=3)}", fh)
             for m in sorted(set(ms) | set(w4a8_ms)):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 io_bytes = 2 * m * k + 2 * m * n
@@ -268,6 +319,8 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     if qblobs and m <= 64:
                         contenders["quack"] = ([lambda b=b: quack[0](x, b[0], b[1], tensor_scale=ts, wformat="nvfp4")
                                                 for b in qblobs], w_bytes)
+                    if int4s and m <= TINYGEMM_MAX_M:
+                        contenders["tinygemm"] = ([lambda b=b: tinygemm(x, *b) for b in int4s], int4_bytes)
                 if m in w4a8_ms:
                     contenders["w4a8"] = ([lambda p=p: nw8.nvfp4_w4a8(x, p) for p in preps], w_bytes)
                     xq, xs = nw8.quantize_activation(x)
@@ -285,7 +338,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     res[cname + "_tbs"] = (contenders[cname][1] + io_bytes) / us / 1e6
                 log("BENCH " + json.dumps(res), fh)
                 rows.append(res)
-            del preps, bf16s, qblobs
+            del preps, bf16s, qblobs, int4s
             torch.cuda.empty_cache()
     return rows
 
@@ -687,7 +740,7 @@ def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES
 
 def table(rows) -> str:
     head = ("shape", "M", "w4a16 µs", "TB/s", "bf16 µs", "TB/s", "x bf16", "deq+mm µs", "quack µs", "x quack",
-            "wgmma µs", "gemv µs", "TB/s", "x bf16", "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
+            "tinygemm µs", "TB/s", "x tinygemm", "wgmma µs", "gemv µs", "TB/s", "x bf16", "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
     lines = [" | ".join(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
@@ -695,7 +748,8 @@ def table(rows) -> str:
         ratio = lambda a, b: f"{r[b] / r[a]:.2f}" if a in r and b in r else "-"  # noqa: E731
         lines.append(" | ".join([r["shape"], str(r["m"]), f("w4a16"), f("w4a16_tbs", "{:.2f}"), f("bf16"),
                                  f("bf16_tbs", "{:.2f}"), ratio("w4a16", "bf16"), f("dequant+mm"), f("quack"),
-                                 ratio("w4a16", "quack"), f("wgmma"), f("gemv"), f("gemv_tbs", "{:.2f}"),
+                                 ratio("w4a16", "quack"), f("tinygemm"), f("tinygemm_tbs", "{:.2f}"),
+                                 ratio("w4a16", "tinygemm"), f("wgmma"), f("gemv"), f("gemv_tbs", "{:.2f}"),
                                  ratio("gemv", "bf16"), f("w4a8"), ratio("w4a8", "bf16"), f("w4a8_gemm"),
                                  f("act_quant")]))
     return "\n".join(lines)
@@ -754,6 +808,7 @@ def main():
     ap.add_argument("--tune-shapes", nargs="+", default=None, metavar="NxK", help="default: TUNE_CASES")
     ap.add_argument("--variants", action="store_true", help="decode A/B of PDL and batched WGMMA issue")
     ap.add_argument("--no-quack", action="store_true")
+    ap.add_argument("--no-tinygemm", action="store_true", help="skip torchao's int4 weight-only kernel")
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="W4A16 token counts to time")
     ap.add_argument("--no-w4a8", action="store_true", help="time W4A16 only")
     ap.add_argument("--w4a8-ms", type=int, nargs="+", default=W4A8_MS, help="W4A8 token counts to time")
@@ -840,7 +895,8 @@ def main():
         if checker is not None:
             rc = checker.wait()
             log(f"check subprocess exit code {rc}", fh)
-        rows = run_bench(args.shapes, ms, w4a8_ms, fh, deadline, args.quick, not args.no_quack)
+        rows = run_bench(args.shapes, ms, w4a8_ms, fh, deadline, args.quick, not args.no_quack,
+                         not args.no_tinygemm)
         (out / "bench.json").write_text(json.dumps(rows, indent=1))
         if args.gemv_tune:
             tuned = run_gemv_tune(args.shapes, fh, time.time() + args.gemv_tune_budget)
