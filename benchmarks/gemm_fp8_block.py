@@ -5,8 +5,11 @@ checked on fresh random-normal inputs against float64 math (output poisoned with
 launch). Times are medians over CUDA-graph replays (CUDA events), with inputs rotated across enough
 copies to exceed L2; a row's contenders are timed in turn over ``--rounds`` rounds (default 3) and each
 reports its median round (timed once each in a fixed order, the first kernel after a compile ran up
-to 15 % fast on a cool H200, session 29). Contenders in the same run: bf16 ``F.linear`` (cuBLAS) and FP8 ``torch._scaled_mm``
-with row-wise scales (per-token x per-channel, coarser than our 128-blocks). ``--tune`` times every
+to 15 % fast on a cool H200, session 29). Contenders in the same run: bf16 ``F.linear`` (cuBLAS), FP8 ``torch._scaled_mm``
+with row-wise scales (per-token x per-channel, coarser than our 128-blocks), and ``torch._scaled_mm``
+on our own operands and scales (1x128 activation, 128x128 weight blocks: cuBLAS's block-scaled FP8
+GEMM, with CUDA >= 12.9: the same function as ours, from NVIDIA's library; checked against the
+same float64 reference, left out where unsupported). ``--tune`` times every
 candidate tile config per shape and prints the dispatch table it implies (``--tune-ms M ...``: at
 those token counts only, e.g. between two buckets' tuning points); ``--tune-rows M`` instead
 times the ``LARGE_CANDIDATES`` on the table's rows with ``M >= M`` and uses each row's fastest;
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -166,6 +170,7 @@ class Problem:
         self.wq = [fp8.quantize(w, (128, 128)) for w in self.w]
         self.xs_tma = [fbg.scales_for_tma(s) for _, s in self.xq]
         self.ref = gemm_f64(self.xq[0][0], self.xq[0][1], *self.wq[0]).to(torch.bfloat16)
+        self.blockwise_err = float("nan")  # set by blockwise_mm_fns
 
     @property
     def flops(self) -> float:
@@ -192,6 +197,25 @@ class Problem:
         xb = [x.to(torch.bfloat16) for x in self.x]
         wb = [w.to(torch.bfloat16) for w in self.w]
         return [(lambda i=i: torch.nn.functional.linear(xb[i], wb[i])) for i in range(self.copies)]
+
+    def blockwise_mm_fns(self) -> list | None:
+        """cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with our 1x128 activation scales,
+        M-major, and 128x128 weight scales) on our quantized operands, or None (the reason printed)
+        where this torch/GPU lacks it or its output is not within 1e-2 of the float64 reference."""
+        xs = [s.t().contiguous().t() for _, s in self.xq]  # (M, K/128) with stride (1, M)
+        fns = [(lambda i=i: torch._scaled_mm(self.xq[i][0], self.wq[i][0].t(), scale_a=xs[i],
+                                             scale_b=self.wq[i][1].t(), out_dtype=torch.bfloat16))
+               for i in range(self.copies)]
+        try:
+            err = rel(fns[0](), self.ref)
+        except RuntimeError as e:
+            print(f"  block-scaled _scaled_mm unavailable (M={self.m}): {str(e).splitlines()[0][:160]}", flush=True)
+            return None
+        if not err < 1e-2:
+            print(f"  block-scaled _scaled_mm left out (M={self.m} N={self.n} K={self.k}): rel err {err:.1e}", flush=True)
+            return None
+        self.blockwise_err = err
+        return fns
 
     def scaled_mm_fns(self) -> list | None:
         """FP8 ``_scaled_mm`` with row-wise scales, or None where this torch/GPU lacks it."""
@@ -326,15 +350,21 @@ def main() -> None:
             print(f"tune N={n:6d} K={k:6d} M={m:5d}: " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
         cfg = tuned.get((n, k, m)) or fbg.pick_config(m, n, k)
         err = prob.check(cfg)
-        contenders = {"ours": prob.ours_fns(cfg), "bf16": prob.bf16_fns(), "scaled_mm": prob.scaled_mm_fns()}
-        med = medians(interleaved_us({c: f for c, f in contenders.items() if f is not None}, rounds=args.rounds, reps=15))
+        contenders = {"ours": prob.ours_fns(cfg), "bf16": prob.bf16_fns(), "scaled_mm": prob.scaled_mm_fns(),
+                      "block_mm": prob.blockwise_mm_fns()}
+        med = medians(interleaved_us({c: f for c, f in contenders.items() if f is not None}, rounds=args.rounds, reps=15,
+                                     on_error=lambda c: print(f"  {c} failed while timed: {traceback.format_exc(limit=2)}")))
         t_ours, t_bf16, t_smm = med["ours"], med["bf16"], med.get("scaled_mm", float("nan"))
+        t_bmm = med.get("block_mm", float("nan"))
         tf = lambda t, flops=prob.flops: flops / t / 1e6  # noqa: E731
         row = dict(m=m, n=n, k=k, cfg=str(cfg), err=err, ours_us=t_ours, bf16_us=t_bf16, scaled_mm_us=t_smm,
-                   ours_tflops=tf(t_ours), bf16_tflops=tf(t_bf16), scaled_mm_tflops=tf(t_smm))
+                   block_mm_us=t_bmm, block_mm_err=prob.blockwise_err,
+                   ours_tflops=tf(t_ours), bf16_tflops=tf(t_bf16), scaled_mm_tflops=tf(t_smm),
+                   block_mm_tflops=tf(t_bmm))
         results["rows"].append(row)
         print(f"M={m:5d} N={n:6d} K={k:6d} {cfg}: ours {t_ours:8.1f} us {tf(t_ours):7.1f} TF | bf16 {tf(t_bf16):7.1f} TF"
-              f" | scaled_mm {tf(t_smm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16 x{t_smm / t_ours:.2f} smm | err {err:.1e}", flush=True)
+              f" | scaled_mm {tf(t_smm):7.1f} TF | block_mm {tf(t_bmm):7.1f} TF | x{t_bf16 / t_ours:.2f} bf16"
+              f" x{t_smm / t_ours:.2f} smm x{t_bmm / t_ours:.2f} block_mm | err {err:.1e}", flush=True)
         if (m, n, k) in EPILOGUE_ROWS:
             # Each epilogue against the bare GEMM in the dispatch table's config (t_ours).
             # Without --ab each epilogue runs in its own dispatch config (they differ in early_bias on
@@ -369,11 +399,13 @@ def main() -> None:
             results["act_quant"].append(dict(m=m, k=k, rmsnorm=rms, us=t, gb_per_s=gbs))
             print(f"act_quant M={m:5d} K={k:6d} rmsnorm={rms}: {t:8.1f} us {gbs:7.1f} GB/s", flush=True)
 
-    print("\n| M | N | K | config | ours TF/s | bf16 TF/s | _scaled_mm TF/s | vs bf16 | vs _scaled_mm |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| M | N | K | config | ours TF/s | bf16 TF/s | _scaled_mm TF/s | block-scaled TF/s | vs bf16 "
+          "| vs _scaled_mm | vs block-scaled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         print(f"| {r['m']} | {r['n']} | {r['k']} | {r['cfg'].replace('TileConfig', '')} | {r['ours_tflops']:.0f} | {r['bf16_tflops']:.0f} "
-              f"| {r['scaled_mm_tflops']:.0f} | {r['bf16_us'] / r['ours_us']:.2f} | {r['scaled_mm_us'] / r['ours_us']:.2f} |")
+              f"| {r['scaled_mm_tflops']:.0f} | {r['block_mm_tflops']:.0f} | {r['bf16_us'] / r['ours_us']:.2f} "
+              f"| {r['scaled_mm_us'] / r['ours_us']:.2f} | {r['block_mm_us'] / r['ours_us']:.2f} |")
     print("\n| M, N, K | config | bare µs (dispatch config) | bare µs (this config) | bias+silu µs (x) | bias+silu+requant µs (x) |")
     print("|---|---|---|---|---|---|")
     for r in results["epilogue"]:
