@@ -666,7 +666,7 @@ def run_cluster_ab(shapes, fh, ms, contenders=cluster_contenders):
 
 
 TUNE_CASES = [("8b", 4096, 4096), ("8b", 28672, 4096), ("8b", 4096, 14336), ("70b", 8192, 8192),
-              ("70b", 57344, 8192)]
+              ("70b", 57344, 8192), ("8b", 6144, 4096), ("70b", 10240, 8192)]
 TUNE_MS = [1, 16, 64, 256, 4096]
 
 
@@ -695,15 +695,16 @@ def candidates(m, n_pad, k, w4a8):
     return base, sorted(out, key=str)
 
 
-def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES):
-    """Time every candidate config per (shape, M) and mode (W4A8 only from M=256); returns rows
-    with the heuristic's and the best."""
+def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES, rounds=1):
+    """Time every candidate config per (shape, M) and mode (W4A8 only from M=256), with bf16
+    ``F.linear`` on the same weight, in ``rounds`` interleaved rounds (each config's median round);
+    returns rows with the heuristic's, the best and bf16's µs."""
     rows = []
     for name, n, k in cases:
         if time.time() > deadline:
             log(f"tune deadline: skipping {name} {n}x{k}", fh)
             continue
-        _, preps, _ = weight_copies(n, k, bf16=False)
+        _, preps, bf16s = weight_copies(n, k)
         n_pad = preps[0].row_exp.shape[0]
         for m in ms:
             if n == 57344 and m not in (1, 64):
@@ -713,27 +714,26 @@ def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES
             for mode in [md for md in modes if md == "w4a16" or m >= 256]:
                 w4a8_mode = mode == "w4a8"
                 base, cands = candidates(m, n_pad, k, w4a8_mode)
-                times = {}
+                fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
                 for cfg in cands:
-                    timer = watchdog(120, f"tune {mode} {cfg}")
-                    try:
-                        if w4a8_mode:
-                            fns = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
-                        else:
-                            fns = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
-                        times[cfg] = graph_median_us(fns, reps=9)
-                    except Exception:  # noqa: BLE001
-                        log(f"TUNE ERROR {mode} {cfg}: {traceback.format_exc(limit=2)}", fh)
-                    timer.cancel()
+                    if w4a8_mode:
+                        fns[cfg] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
+                    else:
+                        fns[cfg] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                timer = watchdog(60 * len(fns) * rounds, f"tune {mode} {n}x{k} M={m}")
+                times = medians(interleaved_us(fns, rounds=rounds, on_error=lambda c: log(
+                    f"TUNE ERROR {mode} {c}: {traceback.format_exc(limit=2)}", fh)))
+                timer.cancel()
+                bf16_us = times.pop("bf16", None)
                 if not times:
                     continue
                 best = min(times, key=times.get)
-                row = {"shape": f"{name} {n}x{k}", "m": m, "mode": mode, "heuristic": str(base),
-                       "heuristic_us": times.get(base), "best": str(best), "best_us": times[best],
+                row = {"shape": f"{name} {n}x{k}", "m": m, "mode": mode, "rounds": rounds, "heuristic": str(base),
+                       "heuristic_us": times.get(base), "best": str(best), "best_us": times[best], "bf16_us": bf16_us,
                        "all": {str(c): t for c, t in sorted(times.items(), key=lambda kv: kv[1])}}
                 rows.append(row)
                 log("TUNE " + json.dumps({kk: v for kk, v in row.items() if kk != "all"}), fh)
-        del preps
+        del preps, bf16s
         torch.cuda.empty_cache()
     return rows
 
@@ -806,6 +806,7 @@ def main():
     ap.add_argument("--tune-ms", type=int, nargs="+", default=TUNE_MS)
     ap.add_argument("--tune-modes", nargs="+", default=["w4a16", "w4a8"], choices=["w4a16", "w4a8"])
     ap.add_argument("--tune-shapes", nargs="+", default=None, metavar="NxK", help="default: TUNE_CASES")
+    ap.add_argument("--tune-rounds", type=int, default=1, help="interleaved rounds per tuned (shape, M)")
     ap.add_argument("--variants", action="store_true", help="decode A/B of PDL and batched WGMMA issue")
     ap.add_argument("--no-quack", action="store_true")
     ap.add_argument("--no-tinygemm", action="store_true", help="skip torchao's int4 weight-only kernel")
@@ -906,7 +907,8 @@ def main():
             (out / "variants.json").write_text(json.dumps(variants, indent=1))
         if args.tune:
             cases = ([("", *map(int, s.split("x"))) for s in args.tune_shapes] if args.tune_shapes else TUNE_CASES)
-            tuned = run_tune(fh, time.time() + args.tune_budget, args.tune_ms, args.tune_modes, cases)
+            tuned = run_tune(fh, time.time() + args.tune_budget, args.tune_ms, args.tune_modes, cases,
+                             args.tune_rounds)
             (out / "tune.json").write_text(json.dumps(tuned, indent=1))
             for r in tuned:
                 log(f"TUNED {r['shape']} M={r['m']} {r['mode']}: heuristic {r['heuristic_us']} -> best "
