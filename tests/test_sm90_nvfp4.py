@@ -244,6 +244,13 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert (big.persistent, big.stages, big.tokens_fastest) == (True, 4, True)
     assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1, persistent=True)
     assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 4, 1, persistent=True)
+    # 128-token tiles: two warpgroups where their CTAs take fewer waves, one counting 1.5 (CTAs of 1 -> 2)
+    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).warpgroups == 1  # 128 -> 64: 1 wave -> 1
+    assert ng.pick_config(300, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 192 -> 96: 2 -> 1
+    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 192 -> 96
+    assert ng.pick_config(128, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 160 -> 80
+    assert ng.pick_config(256, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 1)  # 320 -> 160: 3 -> 2
+    assert ng.pick_config(320, 10240, 8192, Epilogue(), w4a8=False).warpgroups == 2  # 480 -> 240: 4 -> 2
     assert not ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True).persistent  # 128 tiles: one wave
     assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True).stages == 3  # exchange room
     with pytest.raises(ValueError, match="swiglu needs 2 warpgroups"):
@@ -601,7 +608,7 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     # beyond one tile on two warpgroups only a last tile over three quarters empty
     assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 129: 256, 200: 200, 224: 224,
                     300: 300, 600: 600}
-    one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 4096, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
+    one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 2048, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
     assert one_wg == {129: 256, 200: 256, 300: 384, 600: 600}
     assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
     assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
@@ -663,6 +670,20 @@ def test_gpu_matches_float64_reference(mode, m):
     assert torch.isfinite(out).all()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 4e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,epi", [(300, 4096, 4096, Epilogue(bias=True)),  # last tile partly empty, unpadded
+                                       (256, 6144, 4096, Epilogue(activation="silu", residual=True)),
+                                       (128, 10240, 8192, Epilogue())])
+def test_gpu_one_wave_two_warpgroup_prefill_matches_float64(m, n, k, epi):
+    """129-512-token grids whose 64-row CTAs would need a second wave: the rule's one wave of
+    two-warpgroup CTAs matches float64 through the default route."""
+    config = ng.pick_config(m, n, k, epi, False)
+    assert config == ng.Config(128, 2, 5, 1) and (n // 128) * -(-m // 128) <= 132
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
 @pytest.mark.gpu

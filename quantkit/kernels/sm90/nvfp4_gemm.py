@@ -330,8 +330,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: see below).
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
-      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for large tiles
-      when 128-row CTAs still fill the GPU; else 1.
+      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128-token
+      tiles where 128-row CTAs take fewer waves, counting one as 1.5 waves of 64-row CTAs
+      (measured 1.40-1.59x; H100 tunes, session 44: one wave of them against two of 64 rows
+      13-35 % faster, two against three 3-10 % slower); else 1.
     * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
       measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
       single-wave cost when the grid fits one wave (ties: the larger tile).
@@ -363,7 +365,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     elif bn == 64:
         wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
     elif not w4a8:
-        wgs = 2 if (swiglu or (rows // 2) * m_tiles >= 0.9 * num_sms) else 1
+        waves = lambda ctas: -(-ctas // num_sms)  # noqa: E731
+        wgs = 2 if (swiglu or 1.5 * waves((rows // 2) * m_tiles) < waves(rows * m_tiles)) else 1
     ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
     splits = 1
