@@ -672,13 +672,14 @@ TUNE_MS = [1, 16, 64, 256, 4096]
 
 def candidates(m, n_pad, k, w4a8):
     """Configs to try for one problem: the heuristic's token tile (W4A8 prefill: 128 and 256),
-    1 or 2 warpgroups, K-splits (>= 4 stages each; 1..8 for decode, 1..2 from M=256, 1 at prefill),
-    the deepest pipeline that fits (and 4 stages for decode tiles, and for 64-token tiles the
-    deepest that leaves two CTAs per SM); beyond 128 tokens also each unsplit one as a persistent
-    kernel at the two deepest pipelines that leave staging room."""
+    1 or 2 warpgroups, K-splits (>= 4 stages each; 1..8 for decode, 1..4 from M=65, 1..2 from
+    M=257, 1 at prefill; each as a turnstile and as a cluster), the deepest pipeline that fits (and
+    4 stages for decode tiles, and for 64-token tiles the deepest that leaves two CTAs per SM);
+    beyond 128 tokens also each unsplit one as a persistent kernel at the two deepest pipelines
+    that leave staging room."""
     base = ng.pick_config(m, n_pad, k, Epilogue(), w4a8)
     bns = (128, 256) if (w4a8 and m > 128) else (base.bn,)
-    split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2) if m <= 256 else (1,))
+    split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2, 4) if m <= 256 else ((1, 2) if m <= 512 else (1,)))
     out = {base}
     for bn in bns:
         for wgs in (1, 2):
@@ -687,7 +688,13 @@ def candidates(m, n_pad, k, w4a8):
             for stages in {deepest, 4} if bn <= 16 else ({deepest, two_per_sm} if bn == 64 else {deepest}):
                 for splits in split_opts:
                     if stages >= 3 and (k // ng.BK) // splits >= 4:
-                        out.add(ng.Config(bn, wgs, stages, splits))
+                        for cluster in (False, True) if splits > 1 else (False,):
+                            cfg = ng.Config(bn, wgs, stages, splits, cluster=cluster)
+                            try:
+                                cfg.check(Epilogue(), w4a8)
+                            except ValueError:
+                                continue
+                            out.add(cfg)
     if m > 128:  # persistent CTAs, the output staged beside the two deepest pipelines that leave room
         for cfg in list(out):
             deep = [dataclasses.replace(cfg, stages=s, persistent=True) for s in range(cfg.stages, 2, -1)]

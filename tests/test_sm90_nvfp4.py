@@ -251,6 +251,11 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(128, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 160 -> 80
     assert ng.pick_config(256, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 1)  # 320 -> 160: 3 -> 2
     assert ng.pick_config(320, 10240, 8192, Epilogue(), w4a8=False).warpgroups == 2  # 480 -> 240: 4 -> 2
+    # half-wave 128-token grids split K as clusters: 64 CTAs x 2; 16 x 4 (x 8 would leave 4 k-tiles)
+    assert ng.pick_config(128, 4096, 14336, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 2, cluster=True)
+    assert ng.pick_config(100, 1024, 4096, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 4, cluster=True)
+    assert ng.pick_config(256, 2048, 8192, Epilogue(), w4a8=False).splits == 2  # x 4: 128 CTAs in 4-clusters
+    assert ng.pick_config(256, 4096, 14336, Epilogue(), w4a8=False).splits == 1  # 128 CTAs: one wave already
     assert not ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True).persistent  # 128 tiles: one wave
     assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True).stages == 3  # exchange room
     with pytest.raises(ValueError, match="swiglu needs 2 warpgroups"):
@@ -608,7 +613,7 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     # beyond one tile on two warpgroups only a last tile over three quarters empty
     assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 129: 256, 200: 200, 224: 224,
                     300: 300, 600: 600}
-    one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 2048, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
+    one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 2560, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
     assert one_wg == {129: 256, 200: 256, 300: 384, 600: 600}
     assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
     assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
@@ -681,6 +686,20 @@ def test_gpu_one_wave_two_warpgroup_prefill_matches_float64(m, n, k, epi):
     two-warpgroup CTAs matches float64 through the default route."""
     config = ng.pick_config(m, n, k, epi, False)
     assert config == ng.Config(128, 2, 5, 1) and (n // 128) * -(-m // 128) <= 132
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,epi", [(128, 4096, 14336, Epilogue(bias=True)),  # 64 CTAs x 2
+                                       (80, 1024, 4096, Epilogue(activation="silu", residual=True)),  # 16 x 4
+                                       (300, 1024, 8192, Epilogue(activation="gelu_tanh"))])  # 24 x 4, last tile partial
+def test_gpu_half_wave_prefill_cluster_splits_match_float64(m, n, k, epi):
+    """65-512-token grids of at most half a wave: the rule's K-splits as clusters match float64
+    through the default route."""
+    config = ng.pick_config(m, n, k, epi, False)
+    assert config.bn == 128 and config.splits > 1 and config.cluster
     out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

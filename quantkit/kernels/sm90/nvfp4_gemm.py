@@ -337,11 +337,15 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
       measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
       single-wave cost when the grid fits one wave (ties: the larger tile).
-    * K-splits (decode only): double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or
-      0.5 (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
+    * K-splits, decode: double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or 0.5
+      (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
       (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
       31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower). W4A16 at
       16-32 tokens: :func:`short_split_layout` reshapes the grid.
+    * K-splits, W4A16 128-token grids of at most half a wave (narrow weights, no SwiGLU): double
+      while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
+      clusters of >= 4 (GPC packing); always clusters (H100 tune, session 44: 1.25-2.25x faster at
+      65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs 1.3-1.5x slower than 2).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -375,6 +379,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         splits *= 2
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
+    if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
+        while k_tiles // (2 * splits) >= 8 and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms):
+            splits *= 2
     cluster = False
     if bn <= 32:
         stages = 8 if wgs == 1 else 4
