@@ -333,7 +333,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128-token
       tiles where 128-row CTAs take fewer waves, counting one as 1.5 waves of 64-row CTAs
       (measured 1.40-1.59x; H100 tunes, session 44: one wave of them against two of 64 rows
-      13-35 % faster, two against three 3-10 % slower); else 1.
+      1.12-1.42x faster, two against three 1.05-1.11x slower); else 1.
     * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
       measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
       single-wave cost when the grid fits one wave (ties: the larger tile).
