@@ -601,7 +601,7 @@ def test_gemv_config_rule():
 def test_64_token_tile_stages_and_padded_tma_rows():
     """64-token tiles: all the shared memory (8 stages) within one wave, two CTAs per SM (5) past it,
     and for two-warpgroup (SwiGLU) tiles only with >= 24 k-tiles per split. W4A16 reads a tile-high
-    copy of x where unsplit 64/128-token tiles end in a mostly empty one (:func:`ng.tma_rows`)."""
+    copy of x where unsplit 64-token or any 128-token tiles end in a mostly empty one (:func:`ng.tma_rows`)."""
     swiglu = Epilogue(activation="swiglu")
     stages = {(n, k, epi.activation): ng.pick_config(64, n, k, epi, False).stages
               for n, k in ((4096, 4096), (4096, 14336), (28672, 4096), (10240, 8192)) for epi in (Epilogue(), swiglu)}
@@ -616,6 +616,7 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 2560, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
     assert one_wg == {129: 256, 200: 256, 300: 384, 600: 600}
     assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
+    assert ng.tma_rows(80, ng.pick_config(80, 4096, 14336, Epilogue(), False), False) == 128  # 128-token K-splits pad
     assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
 
 

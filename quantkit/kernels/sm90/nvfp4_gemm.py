@@ -344,7 +344,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       16-32 tokens: :func:`short_split_layout` reshapes the grid.
     * K-splits, W4A16 128-token grids of at most half a wave (narrow weights, no SwiGLU): double
       while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
-      clusters of >= 4 (GPC packing); always clusters (H100 tune, session 44: 1.25-2.25x faster at
+      clusters of >= 4 (GPC packing); always clusters (<= 8) (H100 tune, session 44: 1.25-2.25x faster at
       65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs 1.3-1.5x slower than 2).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
@@ -369,8 +369,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     elif bn == 64:
         wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
     elif not w4a8:
-        waves = lambda ctas: -(-ctas // num_sms)  # noqa: E731
-        wgs = 2 if (swiglu or 1.5 * waves((rows // 2) * m_tiles) < waves(rows * m_tiles)) else 1
+        waves_1, waves_2 = (-(-(rows // w) * m_tiles // num_sms) for w in (1, 2))
+        wgs = 2 if (swiglu or 1.5 * waves_2 < waves_1) else 1
     ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
     splits = 1
@@ -380,7 +380,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
     if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
-        while k_tiles // (2 * splits) >= 8 and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms):
+        while splits < 8 and k_tiles // (2 * splits) >= 8 and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms):
             splits *= 2
     cluster = False
     if bn <= 32:
@@ -1071,16 +1071,18 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
-    token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64- or 128-token tiles, the
-    last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one warpgroup or
+    token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128-token
+    tiles, the last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one warpgroup or
     ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
     slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
-    the copy 41 µs; 16/32-token tiles and K-split grids lose the copy's time. H200, session 26:
-    one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and 300 one
-    warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x)."""
+    the copy 41 µs; 16/32-token tiles and 64-token K-split grids lose the copy's time. H200,
+    session 26: one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and
+    300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100, session 44, 128-token cluster
+    K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096 at M = 65 and 200 and
+    2048x8192 at M = 65)."""
     rows = -(-m // config.bn) * config.bn
     empty = rows - m
-    if w4a8 or config.bn < 64 or config.splits > 1 or 4 * empty <= config.bn:
+    if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or 4 * empty <= config.bn:
         return m
     if rows == config.bn or (rows <= 4 * config.bn and (config.warpgroups == 1 or 4 * empty > 3 * config.bn)):
         return rows
