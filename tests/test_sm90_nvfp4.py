@@ -472,18 +472,21 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
     """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes
-    (and Qwen2.5-7B's down_proj) at 16-64 tokens (4-16 stages; SwiGLU's with its exchange) compiles
-    for sm_90a to WGMMA, with cluster barriers and no turnstile where it is a cluster."""
+    (and Qwen2.5-7B's down_proj, Llama-3.1-8B's k/v_proj) at 16-128 tokens (4-16 stages; SwiGLU's
+    with its exchange; 128-token half-wave grids in 2- and 4-clusters) compiles for sm_90a to
+    WGMMA, with cluster barriers and no turnstile where it is a cluster."""
     pytest.importorskip("cutlass")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
-              (57344, 8192), (8192, 28672), (3584, 18944)]
-    cases = sorted({(c, e.activation) for n, k in shapes for m in (16, 24, 32, 48, 64)
+              (57344, 8192), (8192, 28672), (3584, 18944), (1024, 4096)]
+    cases = sorted({(c, e.activation) for n, k in shapes for m in (16, 24, 32, 48, 64, 80, 128)
                     for e in (Epilogue(), Epilogue(activation="swiglu"))
                     for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
     assert {(c.bn, c.warpgroups, c.stages, act) for c, act in cases} == {
         (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 12, "swiglu"),
         (32, 2, 13, "identity"), (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu"),
-        (16, 2, 4, "identity"), (32, 2, 4, "identity"), (16, 2, 4, "swiglu"), (32, 2, 4, "swiglu")}
+        (16, 2, 4, "identity"), (32, 2, 4, "identity"), (16, 2, 4, "swiglu"), (32, 2, 4, "swiglu"),
+        (128, 1, 6, "identity")}
+    assert {c.splits for c, _ in cases if c.bn == 128} == {2, 4}
     configs = [c for c, _ in cases]
     script = textwrap.dedent(f"""
         import json, os, sys
