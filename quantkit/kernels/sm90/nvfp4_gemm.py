@@ -344,8 +344,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       16-32 tokens: :func:`short_split_layout` reshapes the grid.
     * K-splits, W4A16 128-token grids of at most half a wave (narrow weights, no SwiGLU): double
       while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
-      clusters of >= 4 (GPC packing); always clusters (<= 8) (H100 tune, session 44: 1.25-2.25x faster at
-      65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs 1.3-1.5x slower than 2).
+      clusters of >= 4 (GPC packing); always as clusters of <= 8 (H100 tune, session 44:
+      1.25-2.26x faster at 65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs
+      1.3-1.5x slower than 2).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
@@ -380,7 +381,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
     if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
-        while splits < 8 and k_tiles // (2 * splits) >= 8 and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms):
+        while (splits < 8 and k_tiles // (2 * splits) >= 8
+               and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms)):
             splits *= 2
     cluster = False
     if bn <= 32:
@@ -1072,8 +1074,8 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
     token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128-token
-    tiles, the last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one warpgroup or
-    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
+    tiles, the last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one
+    warpgroup or ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
     slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
     the copy 41 µs; 16/32-token tiles and 64-token K-split grids lose the copy's time. H200,
     session 26: one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and
