@@ -237,19 +237,30 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(1, 57344, 8192, Epilogue(), w4a8=False).splits == 1  # tall weights fill it unsplit
     assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).splits == 1  # no split-K beyond decode
     assert ng.pick_config(1, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).warpgroups == 2
-    assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False).bn == 128
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).bn == 128
     big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
     assert big.bn == 256 and big.splits == 1
     # persistent where the grid has more tiles than SMs, at the depth the session-13 sweep chose
     assert (big.persistent, big.stages, big.tokens_fastest) == (True, 4, True)
-    assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1, persistent=True)
-    assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 4, 1, persistent=True)
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1, persistent=True)
+    assert ng.pick_config(1024, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 4, 1, persistent=True)
+    assert ng.pick_config(4096, 6144, 4096, Epilogue(activation="swiglu"), w4a8=False) == ng.Config(
+        128, 2, 4, 1, persistent=True)  # 128-token tiles: the exchange beside the staging
     # 128-token tiles: two warpgroups where their CTAs take fewer waves, one counting 1.5 (CTAs of 1 -> 2)
     assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).warpgroups == 1  # 128 -> 64: 1 wave -> 1
     assert ng.pick_config(300, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 192 -> 96: 2 -> 1
-    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 192 -> 96
+    assert ng.pick_config(100, 14336, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 224 -> 112
     assert ng.pick_config(128, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 160 -> 80
-    assert ng.pick_config(256, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 1)  # 320 -> 160: 3 -> 2
+    # 256-token tiles where their CTAs take two warpgroups by the same rule and pad no more rows
+    # than 128-token tiles (from 2048 tokens: at most 1/16 more)
+    assert ng.pick_config(256, 10240, 8192, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1)  # 160 -> 80
+    assert ng.pick_config(200, 28672, 4096, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1, persistent=True)
+    assert ng.pick_config(129, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 5, 1)  # 96 CTAs: one wave
+    assert ng.pick_config(256, 8192, 28672, Epilogue(), w4a8=False).bn == 128  # 128 CTAs: one wave
+    assert ng.pick_config(512, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1)  # 192 -> 96: 2 -> 1
+    assert [ng.pick_config(m, 28672, 4096, Epilogue(), w4a8=False).bn for m in (384, 640, 1000, 1900, 2100)] == [
+        128, 128, 256, 128, 256]
+    assert ng.pick_config(256, 28672, 4096, Epilogue(activation="swiglu"), w4a8=False).bn == 128  # no exchange room
     assert ng.pick_config(320, 10240, 8192, Epilogue(), w4a8=False).warpgroups == 2  # 480 -> 240: 4 -> 2
     # half-wave 128-token grids split K as clusters: 64 CTAs x 2; 16 x 4 (x 8 would leave 4 k-tiles)
     assert ng.pick_config(128, 4096, 14336, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 2, cluster=True)
@@ -411,6 +422,8 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 16, 2, 4, Epilogue(bias=True, activation="swiglu", residual=True), "cluster"),
     ("w4a8", 32, 1, 8, Epilogue(bias=True), "cluster"),
     ("w4a16", 32, 1, 4, Epilogue(bias=True, residual=True)),  # the 17-32-token half-split rule's layout
+    ("w4a16", 256, 1, 1, Epilogue(bias=True, activation="silu", residual=True)),  # the 129-256-token tiles
+    ("w4a16", 256, 2, 1, Epilogue(activation="gelu_tanh")),
 ]
 
 
@@ -604,7 +617,8 @@ def test_gemv_config_rule():
 def test_64_token_tile_stages_and_padded_tma_rows():
     """64-token tiles: all the shared memory (8 stages) within one wave, two CTAs per SM (5) past it,
     and for two-warpgroup (SwiGLU) tiles only with >= 24 k-tiles per split. W4A16 reads a tile-high
-    copy of x where unsplit 64-token or any 128-token tiles end in a mostly empty one (:func:`ng.tma_rows`)."""
+    copy of x where unsplit 64-token or any 128-token tiles end in a mostly empty one, 256-token tiles
+    in a partly empty one (:func:`ng.tma_rows`)."""
     swiglu = Epilogue(activation="swiglu")
     stages = {(n, k, epi.activation): ng.pick_config(64, n, k, epi, False).stages
               for n, k in ((4096, 4096), (4096, 14336), (28672, 4096), (10240, 8192)) for epi in (Epilogue(), swiglu)}
@@ -613,8 +627,9 @@ def test_64_token_tile_stages_and_padded_tma_rows():
                       (10240, 8192, "identity"): 5, (10240, 8192, "swiglu"): 8}
     rows = {m: ng.tma_rows(m, ng.pick_config(m, 28672, 4096, Epilogue(), False), False)
             for m in (20, 33, 47, 48, 64, 65, 95, 96, 129, 200, 224, 300, 600)}
-    # beyond one tile on two warpgroups only a last tile over three quarters empty
-    assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 129: 256, 200: 200, 224: 224,
+    # 129-256 tokens: one 256-token tile, any part of it empty; beyond one tile on two warpgroups
+    # only a last tile over three quarters empty
+    assert rows == {20: 20, 33: 64, 47: 64, 48: 48, 64: 64, 65: 128, 95: 128, 96: 96, 129: 256, 200: 256, 224: 256,
                     300: 300, 600: 600}
     one_wg = {m: ng.tma_rows(m, ng.pick_config(m, 2560, 4096, Epilogue(), False), False) for m in (129, 200, 300, 600)}
     assert one_wg == {129: 256, 200: 256, 300: 384, 600: 600}
@@ -681,29 +696,32 @@ def test_gpu_matches_float64_reference(mode, m):
     assert err < 4e-3, err
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,epi", [(300, 4096, 4096, Epilogue(bias=True)),  # last tile partly empty, unpadded
-                                       (256, 6144, 4096, Epilogue(activation="silu", residual=True)),
-                                       (128, 10240, 8192, Epilogue())])
-def test_gpu_one_wave_two_warpgroup_prefill_matches_float64(m, n, k, epi):
-    """129-512-token grids whose 64-row CTAs would need a second wave: the rule's one wave of
-    two-warpgroup CTAs matches float64 through the default route."""
-    config = ng.pick_config(m, n, k, epi, False)
-    assert config == ng.Config(128, 2, 5, 1) and (n // 128) * -(-m // 128) <= 132
-    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
-    assert torch.isfinite(out).all()
-    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+PREFILL_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A16 layouts from 65 tokens
+    # one wave of two-warpgroup CTAs where 64-row CTAs would need a second (300: last tile partly empty, unpadded)
+    (300, 4096, 4096, Epilogue(bias=True), ng.Config(128, 2, 5, 1)),
+    (100, 14336, 4096, Epilogue(activation="silu", residual=True), ng.Config(128, 2, 5, 1)),
+    (128, 10240, 8192, Epilogue(), ng.Config(128, 2, 5, 1)),
+    # grids of at most half a wave: K-splits as clusters (64 CTAs x 2, 16 x 4, 24 x 2 with the last tile partial)
+    (128, 4096, 14336, Epilogue(bias=True), ng.Config(128, 1, 6, 2, cluster=True)),
+    (80, 1024, 4096, Epilogue(activation="silu", residual=True), ng.Config(128, 1, 6, 4, cluster=True)),
+    (300, 1024, 8192, Epilogue(activation="gelu_tanh"), ng.Config(128, 1, 6, 2, cluster=True)),
+    # 256-token tiles in two-warpgroup CTAs: one, x padded to it; persistent; the last partly empty, unpadded
+    (129, 14336, 4096, Epilogue(bias=True), ng.Config(256, 2, 3, 1)),
+    (200, 10240, 8192, Epilogue(activation="silu", residual=True), ng.Config(256, 2, 3, 1)),
+    (256, 28672, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 2, 3, 1, persistent=True)),
+    (512, 14336, 4096, Epilogue(bias=True, activation="silu"), ng.Config(256, 2, 3, 1, persistent=True)),
+    (512, 14336, 4096, Epilogue(residual=True), ng.Config(256, 2, 3, 1)),  # FP32 staging: no room to persist
+    (1000, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 2, 3, 1)),
+    (2100, 1024, 4096, Epilogue(bias=True, residual=True), ng.Config(256, 2, 3, 1)),
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,epi", [(128, 4096, 14336, Epilogue(bias=True)),  # 64 CTAs x 2
-                                       (80, 1024, 4096, Epilogue(activation="silu", residual=True)),  # 16 x 4
-                                       (300, 1024, 8192, Epilogue(activation="gelu_tanh"))])  # 24 x 4, last tile partial
-def test_gpu_half_wave_prefill_cluster_splits_match_float64(m, n, k, epi):
-    """65-512-token grids of at most half a wave: the rule's K-splits as clusters match float64
-    through the default route."""
-    config = ng.pick_config(m, n, k, epi, False)
-    assert config.bn == 128 and config.splits > 1 and config.cluster
+@pytest.mark.parametrize("m,n,k,epi,config", PREFILL_RULE_CASES)
+def test_gpu_prefill_rule_layouts_match_float64(m, n, k, epi, config):
+    """The rule's W4A16 prefill layouts (two-warpgroup one-wave grids, cluster K-splits of
+    half-wave grids, 256-token tiles) match float64 through the default route."""
+    assert ng.pick_config(m, n, k, epi, False) == config
     out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a16")
     assert torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 4e-3

@@ -327,11 +327,12 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T`` (rules fitted to the H200 sweep in
     ``benchmarks/notes/nvfp4.md``).
 
-    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: see below).
+    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: see below), or for W4A16
+      256 where :func:`w4a16_tile256` says.
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
-      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128-token
-      tiles where 128-row CTAs take fewer waves, counting one as 1.5 waves of 64-row CTAs
+      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for W4A16 128-
+      and 256-token tiles where 128-row CTAs take fewer waves, counting one as 1.5 waves of 64-row CTAs
       (measured 1.40-1.59x; H100 tunes, session 44: one wave of them against two of 64 rows
       1.12-1.42x faster, two against three 1.05-1.11x slower); else 1.
     * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
@@ -351,9 +352,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
       19 % faster, at worst 3 % slower; two-warpgroup tiles on shorter splits 3-12 % slower).
-    * Persistent: the large prefill tiles (W4A8 256 tokens, W4A16 128 tokens, 2 warpgroups) when
-      the grid has more tiles than SMs, at 4 stages (W4A16 beyond 1024 tokens: 5) so the output
-      staging fits beside them; W4A8 with token tiles fastest."""
+    * Persistent: the large prefill tiles (W4A8 256 tokens, W4A16 128 or 256 tokens, 2 warpgroups)
+      when the grid has more tiles than SMs, at 4 stages (W4A16 beyond 1024 tokens: 5; 256 tokens:
+      3) so the output staging fits beside them; W4A8 with token tiles fastest."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
@@ -363,15 +364,14 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     elif w4a8:
         bn, wgs = w4a8_tile(m, rows, swiglu, num_sms)
     else:
-        bn = 128
+        bn = 256 if not swiglu and w4a16_tile256(m, rows, num_sms) else 128
     m_tiles = -(-m // bn)
     if bn <= 32:
         wgs = 2 if (swiglu or bn >= 16) else 1
     elif bn == 64:
         wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
-    elif not w4a8:
-        waves_1, waves_2 = (-(-(rows // w) * m_tiles // num_sms) for w in (1, 2))
-        wgs = 2 if (swiglu or 1.5 * waves_2 < waves_1) else 1
+    elif not w4a8:  # 128 and 256 tokens
+        wgs = 2 if (swiglu or two_warpgroups_pay(rows, m_tiles, num_sms)) else 1
     ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
     splits = 1
@@ -394,7 +394,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
         stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1, epilogue)))
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
-    if (bn, wgs) == ((256, 2) if w4a8 else (128, 2)) and ctas > num_sms:
+    if wgs == 2 and bn >= (256 if w4a8 else 128) and ctas > num_sms:
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
         # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room; W4A8 visits the token
         # tiles of a weight row block first (its 256-token FP8 activation tiles stay in L2)
@@ -403,6 +403,26 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
             if fits(cfg, epilogue, w4a8):
                 return cfg
     return Config(bn, wgs, stages, splits, cluster=cluster)
+
+
+def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
+    """Whether W4A16 ``m`` tokens over ``rows`` 64-row weight blocks (no SwiGLU: its exchange
+    leaves no room) run 256-token tiles, each decoded weight fragment serving twice the tokens:
+    beyond 128 tokens, where they pad no more rows than 128-token tiles (from 2048 tokens: at most
+    1/16 more) and take two-warpgroup CTAs (:func:`two_warpgroups_pay`). H100, session 45: at
+    129-256 tokens 1.00-1.27x the best 128-token layout (20 points, 10240-57344-row weights; on
+    one warpgroup 0.90-1.08x); at 512-4096 tokens 1.02-1.22x the rule before (tunes, 14 points
+    on 4096-28672-row weights); at 384 (1.5 tiles) and on half-wave grids slower."""
+    m_tiles = -(-m // 256)
+    return m > 128 and (2 * m_tiles == -(-m // 128) or m >= 2048) and two_warpgroups_pay(rows, m_tiles, num_sms)
+
+
+def two_warpgroups_pay(rows: int, m_tiles: int, num_sms: int) -> bool:
+    """Whether ``m_tiles`` token tiles over ``rows`` 64-row weight blocks run faster in
+    two-warpgroup CTAs: where they take fewer waves, counting one as 1.5 waves of one-warpgroup
+    CTAs (W4A16 128- and 256-token tiles, H100 sessions 44-45)."""
+    waves_1, waves_2 = (-(-(rows // w) * m_tiles // num_sms) for w in (1, 2))
+    return 1.5 * waves_2 < waves_1
 
 
 def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: int, epilogue: Epilogue,
@@ -1074,17 +1094,18 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
     token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128-token
-    tiles, the last over a quarter empty, and the grid holds one tile, or up to 4 tiles on one
+    tiles, the last over a quarter empty (256-token tiles: any part empty), and the grid holds one tile, or up to 4 tiles on one
     warpgroup or ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
     slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
     the copy 41 µs; 16/32-token tiles and 64-token K-split grids lose the copy's time. H200,
     session 26: one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and
     300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100, session 44, 128-token cluster
     K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096 at M = 65 and 200 and
-    2048x8192 at M = 65)."""
+    2048x8192 at M = 65. H100, session 45, one-warpgroup 256-token tiles at M = 192, unpadded:
+    1.27-1.73x the time at M = 129, padded)."""
     rows = -(-m // config.bn) * config.bn
     empty = rows - m
-    if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or 4 * empty <= config.bn:
+    if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or 4 * empty <= config.bn < 256:
         return m
     if rows == config.bn or (rows <= 4 * config.bn and (config.warpgroups == 1 or 4 * empty > 3 * config.bn)):
         return rows
