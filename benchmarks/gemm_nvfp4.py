@@ -579,6 +579,40 @@ def run_pad_ab(shapes, fh):
     return rows
 
 
+TILE256_MS = (129, 160, 192, 224, 256)
+TILE128_LAYOUTS = {"128 1wg": ng.Config(128, 1, 6, 1), "128 2wg": ng.Config(128, 2, 5, 1),
+                   "128 2wg persistent": ng.Config(128, 2, 4, 1, persistent=True)}
+
+
+def run_tile256_ab(shapes, fh):
+    """W4A16 at 129-256 tokens where the rule runs one 256-token tile: its config against the
+    128-token layouts the rule picked before (one or two warpgroups, two-warpgroup persistent;
+    such grids need no K-split) and bf16, 3 interleaved rounds, after a float64 check of the rule's
+    config (its padded x included)."""
+    rows = []
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            _, preps, bf16s = weight_copies(n, k)
+            n_pad = preps[0].row_exp.shape[0]
+            for m in TILE256_MS:
+                rule = ng.pick_config(m, n_pad, k, Epilogue(), False)
+                if rule.bn != 256:
+                    continue
+                unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m)
+                assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                configs = {"rule": rule, **TILE128_LAYOUTS}
+                fns = {label: [lambda p=p, c=c, x=x: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                       for label, c in configs.items()}
+                fns["bf16"] = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]
+                row = {"shape": f"{name} {n}x{k}", "m": m, "rule": str(rule), "us": interleaved_us(fns)}
+                rows.append(row)
+                log("TILE256 " + json.dumps(row), fh)
+            del preps, bf16s
+            torch.cuda.empty_cache()
+    return rows
+
+
 def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
     """Configs that :func:`run_cluster_ab` times for one problem: a K-split rule config through
     the global turnstile and as a cluster (a two-warpgroup 64-token one also against one
@@ -671,14 +705,14 @@ TUNE_MS = [1, 16, 64, 256, 4096]
 
 
 def candidates(m, n_pad, k, w4a8):
-    """Configs to try for one problem: the heuristic's token tile (W4A8 prefill: 128 and 256),
+    """Configs to try for one problem: the heuristic's token tile (beyond 128 tokens: 128 and 256),
     1 or 2 warpgroups, K-splits (>= 4 stages each; 1..8 for decode, 1..4 from M=65, 1..2 from
     M=257, 1 at prefill; each as a turnstile and as a cluster), the deepest pipeline that fits (and
     4 stages for decode tiles, and for 64-token tiles the deepest that leaves two CTAs per SM);
     beyond 128 tokens also each unsplit one as a persistent kernel at the two deepest pipelines
     that leave staging room."""
     base = ng.pick_config(m, n_pad, k, Epilogue(), w4a8)
-    bns = (128, 256) if (w4a8 and m > 128) else (base.bn,)
+    bns = (128, 256) if m > 128 else (base.bn,)
     split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2, 4) if m <= 256 else ((1, 2) if m <= 512 else (1,)))
     out = {base}
     for bn in bns:
@@ -827,6 +861,8 @@ def main():
     ap.add_argument("--gemv-ab", action="store_true", help="only: default route vs WGMMA vs GEMV configs (AB_CASES)")
     ap.add_argument("--gemv-stages-ab", action="store_true",
                     help="only: the GEMV rule's config vs 2/3/4 ring stages over --shapes (wave counts)")
+    ap.add_argument("--tile256-ab", action="store_true",
+                    help="only: 129-256-token 256-token rule tiles vs the 128-token layouts and bf16")
     ap.add_argument("--pad-ab", action="store_true",
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
@@ -868,6 +904,10 @@ def main():
     if args.halved_ab:
         with open(out / "halved.log", "w") as fh:
             (out / "halved.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, halved_split_contenders), indent=1))
+        return
+    if args.tile256_ab:
+        with open(out / "tile256.log", "w") as fh:
+            (out / "tile256.json").write_text(json.dumps(run_tile256_ab(args.shapes, fh), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:
