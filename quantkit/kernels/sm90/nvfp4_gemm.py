@@ -332,9 +332,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
       >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for W4A16 128-
-      and 256-token tiles where 128-row CTAs take fewer waves, counting one as 1.5 waves of 64-row CTAs
-      (measured 1.40-1.59x; H100 tunes, session 44: one wave of them against two of 64 rows
-      1.12-1.42x faster, two against three 1.05-1.11x slower); else 1.
+      and 256-token tiles where :func:`two_warpgroups_pay`; else 1.
     * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
       measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
       single-wave cost when the grid fits one wave (ties: the larger tile).
@@ -418,9 +416,11 @@ def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
 
 
 def two_warpgroups_pay(rows: int, m_tiles: int, num_sms: int) -> bool:
-    """Whether ``m_tiles`` token tiles over ``rows`` 64-row weight blocks run faster in
-    two-warpgroup CTAs: where they take fewer waves, counting one as 1.5 waves of one-warpgroup
-    CTAs (W4A16 128- and 256-token tiles, H100 sessions 44-45)."""
+    """Whether ``m_tiles`` W4A16 token tiles (128 or 256 tokens) over ``rows`` 64-row weight blocks
+    run faster in two-warpgroup CTAs: where those take fewer waves, counting one as 1.5 waves of
+    one-warpgroup CTAs (a one-wave two-warpgroup CTA measured 1.40-1.59x the time; H100 tunes,
+    session 44: one wave of them against two of 64 rows 1.12-1.42x faster, two against three
+    1.05-1.11x slower)."""
     waves_1, waves_2 = (-(-(rows // w) * m_tiles // num_sms) for w in (1, 2))
     return 1.5 * waves_2 < waves_1
 
@@ -1093,16 +1093,16 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
-    token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128-token
-    tiles, the last over a quarter empty (256-token tiles: any part empty), and the grid holds one tile, or up to 4 tiles on one
-    warpgroup or ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
-    slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
-    the copy 41 µs; 16/32-token tiles and 64-token K-split grids lose the copy's time. H200,
-    session 26: one tile 0.61-0.89x the time from 33-65 tokens; M = 129 0.55-0.97x; M = 200 and
-    300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100, session 44, 128-token cluster
-    K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096 at M = 65 and 200 and
-    2048x8192 at M = 65. H100, session 45, one-warpgroup 256-token tiles at M = 192, unpadded:
-    1.27-1.73x the time at M = 129, padded)."""
+    token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128- or
+    256-token tiles, the last over a quarter empty (256 tokens: any part empty), and the grid holds
+    one tile, or up to 4 tiles on one warpgroup or ending in a tile over three quarters empty; else
+    ``m``. Such mostly-out-of-bounds loads run slowly; the padded copy costs 1-2 µs (H100, session
+    25: 28672x4096 at M = 33 52 µs, through the copy 41 µs; 16/32-token tiles and 64-token K-split
+    grids lose the copy's time. H200, session 26: one tile 0.61-0.89x the time from 33-65 tokens;
+    M = 129 0.55-0.97x; M = 200 and 300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100,
+    session 44, 128-token cluster K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096
+    at M = 65 and 200 and 2048x8192 at M = 65. H100, session 45, one-warpgroup 256-token tiles at
+    M = 192, unpadded: 1.27-1.73x the time at M = 129, padded)."""
     rows = -(-m // config.bn) * config.bn
     empty = rows - m
     if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or 4 * empty <= config.bn < 256:
