@@ -724,11 +724,8 @@ def candidates(m, n_pad, k, w4a8):
                     if stages >= 3 and (k // ng.BK) // splits >= 4:
                         for cluster in (False, True) if splits > 1 else (False,):
                             cfg = ng.Config(bn, wgs, stages, splits, cluster=cluster)
-                            try:
-                                cfg.check(Epilogue(), w4a8)
-                            except ValueError:
-                                continue
-                            out.add(cfg)
+                            if ng.fits(cfg, Epilogue(), w4a8):
+                                out.add(cfg)
     if m > 128:  # persistent CTAs, the output staged beside the two deepest pipelines that leave room
         for cfg in list(out):
             deep = [dataclasses.replace(cfg, stages=s, persistent=True) for s in range(cfg.stages, 2, -1)]

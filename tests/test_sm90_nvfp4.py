@@ -422,8 +422,8 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 16, 2, 4, Epilogue(bias=True, activation="swiglu", residual=True), "cluster"),
     ("w4a8", 32, 1, 8, Epilogue(bias=True), "cluster"),
     ("w4a16", 32, 1, 4, Epilogue(bias=True, residual=True)),  # the 17-32-token half-split rule's layout
-    ("w4a16", 256, 1, 1, Epilogue(bias=True, activation="silu", residual=True)),  # the 129-256-token tiles
-    ("w4a16", 256, 2, 1, Epilogue(activation="gelu_tanh")),
+    ("w4a16", 256, 1, 1, Epilogue(bias=True, activation="silu", residual=True)),  # 256-token W4A16 tiles (the
+    ("w4a16", 256, 2, 1, Epilogue(activation="gelu_tanh")),  # rule's take two warpgroups; the tune tries one)
 ]
 
 

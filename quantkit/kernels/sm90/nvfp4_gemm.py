@@ -394,7 +394,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
     if wgs == 2 and bn >= (256 if w4a8 else 128) and ctas > num_sms:
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
-        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room; W4A8 visits the token
+        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room (W4A16 256-token tiles:
+        # 3, where the staging fits beside them at all); W4A8 visits the token
         # tiles of a weight row block first (its 256-token FP8 activation tiles stay in L2)
         for depth in range(4 if w4a8 or m <= 1024 else 5, 2, -1):
             cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=w4a8)
