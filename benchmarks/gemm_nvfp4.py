@@ -613,6 +613,41 @@ def run_tile256_ab(shapes, fh):
     return rows
 
 
+SWIGLU_MS = (64, 256, 512, 1024, 2048, 4096)
+SWIGLU_SHAPES = [(28672, 4096), (57344, 8192), (37888, 3584), (16384, 2048)]  # gate/up of 8B, 70B, Qwen2.5-7B, 3.2-1B
+SWIGLU_LAYOUTS = {"256 2wg": ng.Config(256, 2, 3, 1), "128 2wg": ng.Config(128, 2, 5, 1),
+                  "128 2wg persistent": ng.Config(128, 2, 4, 1, persistent=True)}
+
+
+def run_swiglu_ab(fh, shapes=SWIGLU_SHAPES):
+    """W4A16 SwiGLU (interleaved gate/up weights): from 256 tokens the rule's config against
+    256-token tiles (non-persistent: the exchange reuses the drained activation stages) and the
+    128-token layouts, after a float64 check of the 256-token tile with bias and residual; at 64
+    tokens the rule against its pipeline at 3 stages (the depth before the exchange moved into
+    the stages); beside bf16 ``F.linear`` on the same weight (no activation), 3 interleaved rounds."""
+    swiglu = Epilogue(activation="swiglu")
+    rows = []
+    for n, k in shapes:
+        _, preps, bf16s = weight_copies(n, k, swiglu=True)
+        for m in SWIGLU_MS:
+            rule = ng.pick_config(m, n, k, swiglu, False)
+            configs = ({"rule": rule, "3 stages": dataclasses.replace(rule, stages=3)} if m < 256
+                       else {"rule": rule, **SWIGLU_LAYOUTS})
+            checked = rule if m < 256 else SWIGLU_LAYOUTS["256 2wg"]
+            unwritten, err, _ = check_case("w4a16", m, n, k, CHECK_EPILOGUES[-1], m, checked)
+            assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            fns = {label: [lambda p=p, c=c, x=x: ng.nvfp4_w4a16(x, p, swiglu, config=c) for p in preps]
+                   for label, c in configs.items()}
+            fns["bf16"] = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]
+            row = {"shape": f"{n}x{k}", "m": m, "rule": str(rule), "err": err, "us": interleaved_us(fns)}
+            rows.append(row)
+            log("SWIGLU " + json.dumps(row), fh)
+        del preps, bf16s
+        torch.cuda.empty_cache()
+    return rows
+
+
 def cluster_contenders(m: int, n_pad: int, k: int, sms: int) -> dict[str, ng.Config]:
     """Configs that :func:`run_cluster_ab` times for one problem: a K-split rule config through
     the global turnstile and as a cluster (a two-warpgroup 64-token one also against one
@@ -710,7 +745,7 @@ def candidates(m, n_pad, k, w4a8):
     M=257, 1 at prefill; each as a turnstile and as a cluster), the deepest pipeline that fits (and
     4 stages for decode tiles, and for 64-token tiles the deepest that leaves two CTAs per SM);
     beyond 128 tokens also each unsplit one as a persistent kernel at the two deepest pipelines
-    that leave staging room."""
+    that leave staging room (W4A8: in either tile order)."""
     base = ng.pick_config(m, n_pad, k, Epilogue(), w4a8)
     bns = (128, 256) if m > 128 else (base.bn,)
     split_opts = (1, 2, 4, 8) if m <= 64 else ((1, 2, 4) if m <= 256 else ((1, 2) if m <= 512 else (1,)))
@@ -729,7 +764,8 @@ def candidates(m, n_pad, k, w4a8):
     if m > 128:  # persistent CTAs, the output staged beside the two deepest pipelines that leave room
         for cfg in list(out):
             deep = [dataclasses.replace(cfg, stages=s, persistent=True) for s in range(cfg.stages, 2, -1)]
-            out.update([c for c in deep if ng.fits(c, Epilogue(), w4a8)][:2])
+            for c in [c for c in deep if ng.fits(c, Epilogue(), w4a8)][:2]:
+                out.update([c, dataclasses.replace(c, tokens_fastest=True)] if w4a8 else [c])
     return base, sorted(out, key=str)
 
 
@@ -770,7 +806,7 @@ def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES
                        "heuristic_us": times.get(base), "best": str(best), "best_us": times[best], "bf16_us": bf16_us,
                        "all": {str(c): t for c, t in sorted(times.items(), key=lambda kv: kv[1])}}
                 rows.append(row)
-                log("TUNE " + json.dumps({kk: v for kk, v in row.items() if kk != "all"}), fh)
+                log("TUNE " + json.dumps(row), fh)
         del preps, bf16s
         torch.cuda.empty_cache()
     return rows
@@ -860,6 +896,8 @@ def main():
                     help="only: the GEMV rule's config vs 2/3/4 ring stages over --shapes (wave counts)")
     ap.add_argument("--tile256-ab", action="store_true",
                     help="only: 129-256-token 256-token rule tiles vs the 128-token layouts and bf16")
+    ap.add_argument("--swiglu-ab", action="store_true",
+                    help="only: W4A16 SwiGLU at 256-4096 tokens, 256-token tiles against 128 (SWIGLU_SHAPES)")
     ap.add_argument("--pad-ab", action="store_true",
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
@@ -905,6 +943,10 @@ def main():
     if args.tile256_ab:
         with open(out / "tile256.log", "w") as fh:
             (out / "tile256.json").write_text(json.dumps(run_tile256_ab(args.shapes, fh), indent=1))
+        return
+    if args.swiglu_ab:
+        with open(out / "swiglu.log", "w") as fh:
+            (out / "swiglu.json").write_text(json.dumps(run_swiglu_ab(fh), indent=1))
         return
     if args.pad_ab:
         with open(out / "pad.log", "w") as fh:

@@ -237,14 +237,16 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(1, 57344, 8192, Epilogue(), w4a8=False).splits == 1  # tall weights fill it unsplit
     assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).splits == 1  # no split-K beyond decode
     assert ng.pick_config(1, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).warpgroups == 2
-    assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False).bn == 128
-    big = ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True)
-    assert big.bn == 256 and big.splits == 1
-    # persistent where the grid has more tiles than SMs, at the depth the session-13 sweep chose
-    assert (big.persistent, big.stages, big.tokens_fastest) == (True, 4, True)
+    # SwiGLU 256-token tiles: one CTA per tile, the exchange in the drained stages (no room beside them)
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=False) == ng.Config(256, 2, 3, 1)
+    # W4A8: 256-token tiles, persistent; token tiles fastest at 4 stages where the weight outweighs
+    # the FP8 activations and the grid has more tiles than SMs, else row blocks fastest at 5
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 2, 5, 1, persistent=True)
+    assert ng.pick_config(4096, 28672, 4096, Epilogue(), w4a8=True) == ng.Config(
+        256, 2, 4, 1, persistent=True, tokens_fastest=True)
     assert ng.pick_config(4096, 4096, 4096, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1, persistent=True)
     assert ng.pick_config(1024, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(128, 2, 4, 1, persistent=True)
-    assert ng.pick_config(4096, 6144, 4096, Epilogue(activation="swiglu"), w4a8=False) == ng.Config(
+    assert ng.pick_config(384, 6144, 4096, Epilogue(activation="swiglu"), w4a8=False) == ng.Config(
         128, 2, 4, 1, persistent=True)  # 128-token tiles: the exchange beside the staging
     # 128-token tiles: two warpgroups where their CTAs take fewer waves, one counting 1.5 (CTAs of 1 -> 2)
     assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=False).warpgroups == 1  # 128 -> 64: 1 wave -> 1
@@ -260,31 +262,46 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(512, 6144, 4096, Epilogue(), w4a8=False) == ng.Config(256, 2, 3, 1)  # 192 -> 96: 2 -> 1
     assert [ng.pick_config(m, 28672, 4096, Epilogue(), w4a8=False).bn for m in (384, 640, 1000, 1900, 2100)] == [
         128, 128, 256, 128, 256]
-    assert ng.pick_config(256, 28672, 4096, Epilogue(activation="swiglu"), w4a8=False).bn == 128  # no exchange room
+    assert ng.pick_config(256, 28672, 4096, Epilogue(activation="swiglu"), w4a8=False) == ng.Config(256, 2, 3, 1)
     assert ng.pick_config(320, 10240, 8192, Epilogue(), w4a8=False).warpgroups == 2  # 480 -> 240: 4 -> 2
     # half-wave 128-token grids split K as clusters: 64 CTAs x 2; 16 x 4 (x 8 would leave 4 k-tiles)
     assert ng.pick_config(128, 4096, 14336, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 2, cluster=True)
     assert ng.pick_config(100, 1024, 4096, Epilogue(), w4a8=False) == ng.Config(128, 1, 6, 4, cluster=True)
     assert ng.pick_config(256, 2048, 8192, Epilogue(), w4a8=False).splits == 2  # x 4: 128 CTAs in 4-clusters
     assert ng.pick_config(256, 4096, 14336, Epilogue(), w4a8=False).splits == 1  # 128 CTAs: one wave already
-    assert not ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True).persistent  # 128 tiles: one wave
-    assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True).stages == 3  # exchange room
+    # W4A8 warpgroups by the same wave rule, persistent in one wave too (CTAs of 1 -> 2 warpgroups)
+    assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 2, 5, 1, persistent=True)  # 256 -> 128
+    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 5, 1, persistent=True)  # 96 -> 48
+    assert ng.pick_config(100, 28672, 4096, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)  # up to 128 tokens: 128
+    # a one-warpgroup grid of at most half a wave splits K as a cluster (64 CTAs x 2)
+    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 2, cluster=True)
+    # SwiGLU: persistent beyond one wave, its exchange beside 3 stages; within one wave one CTA per tile
+    assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True) == ng.Config(
+        256, 2, 3, 1, persistent=True)
+    assert ng.pick_config(512, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True) == ng.Config(256, 2, 5, 1)
     with pytest.raises(ValueError, match="swiglu needs 2 warpgroups"):
         ng.Config(8, 1, 4, 1).check(Epilogue(activation="swiglu"), w4a8=False)
 
 
-def test_w4a8_tile_rule_reproduces_the_h200_sweep():
-    """The W4A8 prefill tile rule picks, at every point of the recorded H200 sweep (four 8B
-    shapes, M = 384 / 1024 / 4096, every tile), a tile within 3 % of the fastest measured."""
-    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/nvfp4_w4a8_tune_v6_h200_2026-12-03.json").read_text())
-    assert len(rows) == 12
+def compact_config(c: ng.Config) -> str:
+    """A config as the results files name it (``bn256 2wg 5st s1 persistent``)."""
+    return (f"bn{c.bn} {c.warpgroups}wg {c.stages}st s{c.splits}" + " persistent" * c.persistent
+            + " tokens_fastest" * c.tokens_fastest + " cluster" * c.cluster)
+
+
+def test_w4a8_rule_holds_to_the_h100_tune():
+    """The W4A8 prefill rule picks, at every point of session 46's H100 tune (six 8B/70B weights,
+    M = 256-4096, every tile, split, tile order and depth timed), a config that was timed and ran
+    within 10 % of the fastest, 2 % on average (the rule before: 27 %, 7 %)."""
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/nvfp4_w4a8_rule_swiglu256_h100_2026-12-07_s46.json"
+                       ).read_text())["1_tune_w4a8_256_4096"]["rows"]
+    assert len(rows) == 27
+    ratios = []
     for row in rows:
         n, k = (int(v) for v in row["shape"].split("x"))
-        picked = ng.pick_config(row["m"], n, k, Epilogue(), True)
-        assert picked.splits == 1
-        # the sweep (non-persistent, deepest pipelines) has one config per tile
-        key = next(c for c in row["all"] if c.startswith(f"Config(bn={picked.bn}, warpgroups={picked.warpgroups},"))
-        assert row["all"][key] <= 1.03 * row["best_us"], (row["shape"], row["m"], picked)
+        us = row["us"]
+        ratios.append(us[compact_config(ng.pick_config(row["m"], n, k, Epilogue(), True))] / min(us.values()))
+    assert max(ratios) <= 1.10 and sum(ratios) / len(ratios) <= 1.025, sorted(ratios)
 
 
 def test_picked_configs_are_valid():
@@ -307,9 +324,11 @@ def test_picked_configs_are_valid():
     ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=True)
     with pytest.raises(ValueError, match="needs 377856 bytes of shared memory in W4A16 mode"):
         ng.Config(256, 2, 5, 1).check(Epilogue(), w4a8=False)
-    # SwiGLU's exchange buffer (FP32 [128, bn/2]: 64 KiB at bn = 256) counts too
+    # a persistent CTA's SwiGLU exchange buffer (FP32 [128, bn/2]: 64 KiB at bn = 256) counts too; the
+    # others exchange in their drained activation stages
     with pytest.raises(ValueError, match="needs 279552 bytes"):
-        ng.Config(256, 2, 5, 1).check(Epilogue(activation="swiglu"), w4a8=True)
+        ng.Config(256, 2, 5, 1, persistent=True).check(Epilogue(activation="swiglu"), w4a8=True)
+    ng.Config(256, 2, 5, 1).check(Epilogue(activation="swiglu"), w4a8=True)
 
 
 def test_act_quant_holds_each_row_in_the_fewest_groups_per_thread():
@@ -424,6 +443,7 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 32, 1, 4, Epilogue(bias=True, residual=True)),  # the 17-32-token half-split rule's layout
     ("w4a16", 256, 1, 1, Epilogue(bias=True, activation="silu", residual=True)),  # 256-token W4A16 tiles (the
     ("w4a16", 256, 2, 1, Epilogue(activation="gelu_tanh")),  # rule's take two warpgroups; the tune tries one)
+    ("w4a16", 256, 2, 1, Epilogue(bias=True, activation="swiglu")),  # SwiGLU's exchange in the drained stages
 ]
 
 
@@ -486,7 +506,7 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
     """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes
     (and Qwen2.5-7B's down_proj, Llama-3.1-8B's k/v_proj) at 16-128 tokens (4-16 stages; SwiGLU's
-    with its exchange; 128-token half-wave grids in 2- and 4-clusters) compiles for sm_90a to
+    exchanging in its drained stages; 128-token half-wave grids in 2- and 4-clusters) compiles for sm_90a to
     WGMMA, with cluster barriers and no turnstile where it is a cluster."""
     pytest.importorskip("cutlass")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
@@ -495,7 +515,7 @@ def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
                     for e in (Epilogue(), Epilogue(activation="swiglu"))
                     for c in [ng.pick_config(m, n, k, e, False)] if c.cluster or c.stages > 8}, key=str)
     assert {(c.bn, c.warpgroups, c.stages, act) for c, act in cases} == {
-        (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 12, "swiglu"),
+        (16, 1, 16, "identity"), (32, 1, 16, "identity"), (16, 2, 16, "swiglu"), (32, 2, 13, "swiglu"),
         (32, 2, 13, "identity"), (64, 1, 8, "identity"), (64, 2, 8, "identity"), (64, 2, 8, "swiglu"),
         (16, 2, 4, "identity"), (32, 2, 4, "identity"), (16, 2, 4, "swiglu"), (32, 2, 4, "swiglu"),
         (128, 1, 6, "identity")}
@@ -622,8 +642,8 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     swiglu = Epilogue(activation="swiglu")
     stages = {(n, k, epi.activation): ng.pick_config(64, n, k, epi, False).stages
               for n, k in ((4096, 4096), (4096, 14336), (28672, 4096), (10240, 8192)) for epi in (Epilogue(), swiglu)}
-    assert stages == {(4096, 4096, "identity"): 8, (4096, 4096, "swiglu"): 3, (4096, 14336, "identity"): 8,
-                      (4096, 14336, "swiglu"): 8, (28672, 4096, "identity"): 5, (28672, 4096, "swiglu"): 3,
+    assert stages == {(4096, 4096, "identity"): 8, (4096, 4096, "swiglu"): 4, (4096, 14336, "identity"): 8,
+                      (4096, 14336, "swiglu"): 8, (28672, 4096, "identity"): 5, (28672, 4096, "swiglu"): 4,
                       (10240, 8192, "identity"): 5, (10240, 8192, "swiglu"): 8}
     rows = {m: ng.tma_rows(m, ng.pick_config(m, 28672, 4096, Epilogue(), False), False)
             for m in (20, 33, 47, 48, 64, 65, 95, 96, 129, 200, 224, 300, 600)}
@@ -727,6 +747,30 @@ def test_gpu_prefill_rule_layouts_match_float64(m, n, k, epi, config):
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
+W4A8_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A8 256-token layouts
+    (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 5, 1, persistent=True)),  # one wave, one warpgroup
+    (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 1, 6, 2, cluster=True)),  # half a wave: split
+    (300, 6144, 4096, Epilogue(activation="silu", residual=True), ng.Config(256, 2, 5, 1, persistent=True)),
+    (1000, 4096, 4096, Epilogue(bias=True), ng.Config(256, 2, 5, 1, persistent=True)),  # last tile partial
+    (500, 10240, 8192, Epilogue(residual=True), ng.Config(256, 1, 5, 1, persistent=True, tokens_fastest=True)),
+    (2100, 28672, 4096, Epilogue(activation="silu"), ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True)),
+    (600, 4096, 4096, Epilogue(activation="swiglu", bias=True), ng.Config(256, 2, 5, 1)),  # exchange in the stages
+    (2000, 8192, 4096, Epilogue(activation="swiglu"), ng.Config(256, 2, 3, 1, persistent=True, tokens_fastest=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,epi,config", W4A8_RULE_CASES)
+def test_gpu_w4a8_rule_layouts_match_float64(m, n, k, epi, config):
+    """The W4A8 rule's layouts (one or two warpgroups, persistent in one wave and beyond in
+    either tile order, a K-split cluster, SwiGLU with and without a CTA per tile) match the
+    W4A8 reference in float64 through the default route."""
+    assert ng.pick_config(m, n, k, epi, True) == config
+    out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a8")
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).norm() / ref.norm() < 4e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1056, 8192, 14336, 28672, 40960])  # rows held in 1 / 2 / 4 / 8 groups per thread; read twice
 def test_gpu_act_quant_is_bit_exact(k):
@@ -794,11 +838,20 @@ def test_gpu_persistent_matches_float64_reference(mode, config, epi):
     assert err < 4e-3, err
 
 
+SWIGLU_PREFILL_CASES = [  # (mode, m, config): None = the rule's
+    ("w4a16", 300, None), ("w4a8", 300, None),
+    ("w4a16", 1000, ng.Config(256, 2, 3, 1)), ("w4a8", 1000, ng.Config(256, 2, 5, 1)),  # in the drained stages
+    ("w4a16", 1000, ng.Config(128, 2, 4, 1, persistent=True)),  # beside the pipeline, over 256 tiles
+    ("w4a8", 1000, ng.Config(256, 2, 3, 1, persistent=True, tokens_fastest=True)),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
-def test_gpu_swiglu_prefill_tile(mode):
-    """SwiGLU at prefill token counts (128- and 256-token tiles): the exchange buffer fits beside the stages."""
-    out, ref = _gpu_case(300, 1024, 1536, Epilogue(activation="swiglu", residual=True), seed=3, mode=mode)
+@pytest.mark.parametrize("mode,m,config", SWIGLU_PREFILL_CASES)
+def test_gpu_swiglu_prefill_tile(mode, m, config):
+    """SwiGLU at prefill token counts (128- and 256-token tiles): the up half reaches the gate half
+    through the drained activation stages, or in a persistent CTA through memory of its own."""
+    out, ref = _gpu_case(m, 16384, 1536, Epilogue(activation="swiglu", residual=True), seed=3, mode=mode, config=config)
     assert torch.isfinite(out).all()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 4e-3, err

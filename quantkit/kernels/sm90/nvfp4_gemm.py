@@ -259,7 +259,7 @@ class Config:
         if self.cluster and not (2 <= self.splits <= 8 and self.stages >= (2 if w4a8 else 1) * self.warpgroups):
             raise ValueError(f"{self}: a cluster split needs 2..8 splits, and its partial tile must fit the "
                              "activation stages it reuses (W4A8: stages >= 2 x warpgroups)")
-        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self.bn, epilogue)
+        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self, epilogue)
         if need > _SMEM or staging_tokens(self, epilogue, w4a8) < 8:
             raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode"
                              f"{' and room to stage the output' if self.persistent else ''}; an sm90 CTA has "
@@ -291,16 +291,16 @@ def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
-def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1, epilogue: Epilogue | None = None) -> int:
-    """The most pipeline stages that leave room for ``ctas_per_sm`` such CTAs on an SM (and for
-    ``epilogue``'s SwiGLU exchange, if given)."""
-    exchange = exchange_bytes(bn, epilogue) if epilogue is not None else 0
-    return (_SMEM // ctas_per_sm - _SMEM_RESERVE - exchange) // stage_bytes(bn, warpgroups, w4a8)
+def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1) -> int:
+    """The most pipeline stages that leave room for ``ctas_per_sm`` such (non-persistent) CTAs on an SM."""
+    return (_SMEM // ctas_per_sm - _SMEM_RESERVE) // stage_bytes(bn, warpgroups, w4a8)
 
 
-def exchange_bytes(bn: int, epilogue: Epilogue) -> int:
-    """Shared memory in which SwiGLU's up half (warpgroup 1) meets its gate half: FP32 ``[bn/2, 128]``."""
-    return 128 * (bn // 2) * 4 if epilogue.activation == "swiglu" else 0
+def exchange_bytes(config: Config, epilogue: Epilogue) -> int:
+    """Shared memory of its own in which SwiGLU's up half (warpgroup 1) meets its gate half, FP32
+    ``[bn/2, 128]``: in a persistent CTA only, whose pipeline already fills for the next tile; the
+    others exchange in their drained activation stages (at least ``2 * bn * 128`` bytes)."""
+    return 128 * (config.bn // 2) * 4 if epilogue.activation == "swiglu" and config.persistent else 0
 
 
 def staging_row_bytes(epilogue: Epilogue) -> int:
@@ -316,7 +316,7 @@ def staging_tokens(config: Config, epilogue: Epilogue, w4a8: bool) -> int:
     shared memory, or in a persistent kernel the memory the stages and the SwiGLU exchange leave
     (the pipeline is then already filling for the next tile)."""
     pipe = config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
-    room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config.bn, epilogue) if config.persistent else pipe
+    room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config, epilogue) if config.persistent else pipe
     tokens = config.bn
     while tokens and config.warpgroups * tokens * staging_row_bytes(epilogue) > room:
         tokens //= 2
@@ -327,15 +327,14 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T`` (rules fitted to the H200 sweep in
     ``benchmarks/notes/nvfp4.md``).
 
-    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128 (W4A8: see below), or for W4A16
-      256 where :func:`w4a16_tile256` says.
+    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128, then 256: W4A8 beyond 128
+      tokens (H100 tune, session 46: at 256-512 tokens 1.04-1.27x the per-tile cost table fitted
+      to an older H200 sweep), W4A16 where :func:`w4a16_tile256` says.
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
-      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for W4A16 128-
-      and 256-token tiles where :func:`two_warpgroups_pay`; else 1.
-    * W4A8 beyond 64 tokens: the (tokens, warpgroups) tile of least estimated time, a CTA's
-      measured cost (:data:`W4A8_TILE_COST`) times the waves of CTAs (one CTA per SM), its
-      single-wave cost when the grid fits one wave (ties: the larger tile).
+      >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128- and
+      256-token tiles where :func:`two_warpgroups_pay` (for W4A8 too: the best tile at 27 of 27
+      points of session 46's tune, ties within 2 % aside); else 1.
     * K-splits, decode: double while the grid has fewer than 2 (8 tokens), 1.5 (16-32) or 0.5
       (64) CTAs per SM and each split keeps at least 4 stages. Where a split CTA fills its SM
       (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
@@ -345,14 +344,14 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
       clusters of >= 4 (GPC packing); always as clusters of <= 8 (H100 tune, session 44:
       1.25-2.26x faster at 65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs
-      1.3-1.5x slower than 2).
+      1.3-1.5x slower than 2). So do W4A8 one-warpgroup 256-token grids (session 46: 256 tokens
+      on 4096x4096 and 4096x14336, 2 splits 1.0-1.27x the one-CTA-per-SM-wave layouts).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
       19 % faster, at worst 3 % slower; two-warpgroup tiles on shorter splits 3-12 % slower).
-    * Persistent: the large prefill tiles (W4A8 256 tokens, W4A16 128 or 256 tokens, 2 warpgroups)
-      when the grid has more tiles than SMs, at 4 stages (W4A16 beyond 1024 tokens: 5; 256 tokens:
-      3) so the output staging fits beside them; W4A8 with token tiles fastest."""
+    * Persistent: W4A16 two-warpgroup 128- and 256-token grids of more tiles than SMs; W4A8
+      unsplit 256-token grids (SwiGLU's only beyond one wave); see the comment below."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
@@ -360,15 +359,15 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     elif m <= 64:
         bn = 64
     elif w4a8:
-        bn, wgs = w4a8_tile(m, rows, swiglu, num_sms)
+        bn = 256 if m > 128 else 128
     else:
-        bn = 256 if not swiglu and w4a16_tile256(m, rows, num_sms) else 128
+        bn = 256 if w4a16_tile256(m, rows, num_sms) else 128
     m_tiles = -(-m // bn)
     if bn <= 32:
         wgs = 2 if (swiglu or bn >= 16) else 1
     elif bn == 64:
         wgs = 2 if (swiglu or rows >= 4 * num_sms) else 1
-    elif not w4a8:  # 128 and 256 tokens
+    else:  # 128 and 256 tokens
         wgs = 2 if (swiglu or two_warpgroups_pay(rows, m_tiles, num_sms)) else 1
     ctas = (rows // wgs) * m_tiles
     k_tiles = k // BK
@@ -378,7 +377,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         splits *= 2
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
-    if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
+    if (bn == 128 and not (w4a8 or swiglu)) or (bn == 256 and w4a8 and wgs == 1):
+        # grids of at most half a wave: K-splits, as clusters, keeping one wave
         while (splits < 8 and k_tiles // (2 * splits) >= 8
                and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms)):
             splits *= 2
@@ -390,28 +390,36 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     else:
         # 64-token tiles: two CTAs per SM unless the grid fits one wave and the ring pays (H100 A/B)
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
-        stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1, epilogue)))
+        stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1)))
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
-    if wgs == 2 and bn >= (256 if w4a8 else 128) and ctas > num_sms:
-        # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13): 4 stages (W4A16 beyond
-        # 1024 tokens: 5), fewer where SwiGLU's exchange leaves no staging room (W4A16 256-token tiles:
-        # 3, where the staging fits beside them at all); W4A8 visits the token
-        # tiles of a weight row block first (its 256-token FP8 activation tiles stay in L2)
-        for depth in range(4 if w4a8 or m <= 1024 else 5, 2, -1):
-            cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=w4a8)
+    if ((w4a8 and bn == 256 and splits == 1 and (ctas > num_sms or not swiglu))
+            or (not w4a8 and wgs == 2 and bn >= 128 and ctas > num_sms)):
+        # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13; W4A8 in any grid but
+        # SwiGLU's one-wave ones: H100 tune, session 46, 3-10 % faster in one wave too): 4 stages
+        # (W4A16 beyond 1024 tokens and W4A8 but for token tiles fastest: 5), fewer where staging
+        # room runs out (SwiGLU's exchange; W4A16 256-token tiles: 3, with SwiGLU none: one CTA per
+        # tile, exchanging in the drained stages). W4A8 grids of more tiles than
+        # SMs visit the token tiles of a weight row block first where the weight outweighs the FP8
+        # activations (so those stay in L2), else the row blocks of a token tile first.
+        tokens_fastest = w4a8 and ctas > num_sms and 9 * n_pad > 16 * m
+        first = (4 if tokens_fastest and wgs == 2 else 5) if w4a8 else (4 if m <= 1024 else 5)
+        for depth in range(first, 2, -1):
+            cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=tokens_fastest)
             if fits(cfg, epilogue, w4a8):
                 return cfg
     return Config(bn, wgs, stages, splits, cluster=cluster)
 
 
 def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
-    """Whether W4A16 ``m`` tokens over ``rows`` 64-row weight blocks (no SwiGLU: its exchange
-    leaves no room) run 256-token tiles, each decoded weight fragment serving twice the tokens:
-    beyond 128 tokens, where they pad no more rows than 128-token tiles (from 2048 tokens: at most
-    1/16 more) and take two-warpgroup CTAs (:func:`two_warpgroups_pay`). H100, session 45: at
-    129-256 tokens 1.00-1.27x the best 128-token layout (20 points, 10240-57344-row weights; on
-    one warpgroup 0.90-1.08x); at 512-4096 tokens 1.02-1.22x the rule before (tunes, 14 points
-    on 4096-28672-row weights); at 384 (1.5 tiles) and on half-wave grids slower."""
+    """Whether W4A16 ``m`` tokens over ``rows`` 64-row weight blocks run 256-token tiles, each
+    decoded weight fragment serving twice the tokens: beyond 128 tokens, where they pad no more
+    rows than 128-token tiles (from 2048 tokens: at most 1/16 more) and take two-warpgroup CTAs
+    (:func:`two_warpgroups_pay`). H100, session 45: at 129-256 tokens 1.00-1.27x the best
+    128-token layout (20 points, 10240-57344-row weights; on one warpgroup 0.90-1.08x); at
+    512-4096 tokens 1.02-1.22x the rule before (tunes, 14 points on 4096-28672-row weights); at
+    384 (1.5 tiles) and on half-wave grids slower. SwiGLU (one CTA per tile, 3 stages; session
+    46, gate/up of 2048-8192 x 16384-57344): 1.04-1.20x the 128-token rule from 512 tokens, at
+    256 tokens 0.95-1.12x."""
     m_tiles = -(-m // 256)
     return m > 128 and (2 * m_tiles == -(-m // 128) or m >= 2048) and two_warpgroups_pay(rows, m_tiles, num_sms)
 
@@ -458,34 +466,15 @@ def short_split_layout(bn: int, rows: int, m_tiles: int, k_tiles: int, splits: i
         one_ctas = rows // wgs * m_tiles
         one_splits = 2 if 2 * one_ctas <= num_sms else 1
         if num_sms <= 2 * one_ctas * one_splits <= 2 * num_sms and k_tiles // one_splits >= 14:
-            return wgs, one_splits, min(16, max_stages(bn, wgs, False, epilogue=epilogue)), one_splits > 1
+            return wgs, one_splits, min(16, max_stages(bn, wgs, False)), one_splits > 1
     elif bn == 32 and runs <= 16 and 2 * num_sms <= 6 * ctas <= 3 * num_sms:
-        return 2, 2, min(16, max_stages(bn, 2, False, epilogue=epilogue)), True
+        return 2, 2, min(16, max_stages(bn, 2, False)), True
     if bn == 32 and not swiglu and splits >= 2 and runs <= 16:
         return 1, splits // 2, 4, False
     if runs <= 7:
         return 2, splits, 4, False
     total = ctas * splits
     return 2, splits, 4, 1 < splits <= 8 and num_sms < total and not 0.9 * 2 * num_sms < total <= 2 * num_sms
-
-
-# Time of one W4A8 prefill CTA per (tokens, warpgroups) tile, relative to a 256x128 (tokens x
-# weight rows) CTA in a full GPU: (in a grid of many waves, in a grid of at most one wave).
-# H200 sweep after the v6 epilogue (benchmarks/notes/nvfp4.md, M = 384 / 1024 / 4096).
-W4A8_TILE_COST = {(256, 2): (1.0, 0.87), (256, 1): (0.59, 0.77), (128, 2): (0.67, 0.68), (128, 1): (0.41, 0.43)}
-
-
-def w4a8_tile(m: int, rows: int, swiglu: bool, num_sms: int) -> tuple[int, int]:
-    """(tokens, warpgroups) of a W4A8 prefill CTA for ``m`` tokens and ``rows`` 64-row weight
-    blocks: the least ``waves x cost`` by :data:`W4A8_TILE_COST` (SwiGLU: 2 warpgroups)."""
-    def estimate(tile):
-        bn, wgs = tile
-        ctas = (rows // wgs) * -(-m // bn)
-        full, one_wave = W4A8_TILE_COST[tile]
-        return one_wave if ctas <= num_sms else -(-ctas // num_sms) * full
-
-    tiles = [t for t in W4A8_TILE_COST if t[1] == 2 or not swiglu]  # larger tiles first: they win ties
-    return min(tiles, key=estimate)
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -651,7 +640,7 @@ def _kernel_class():
                 flag: cute.struct.MemRange[Int32, 4]
                 wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
                 sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
-                xchg: cute.struct.Align[cute.struct.MemRange[Float32, 128 * self.acc_n if self.swiglu else 4], 16]
+                xchg: cute.struct.Align[cute.struct.MemRange[Float32, exchange_bytes(cfg, self.epi) // 4 or 4], 16]
                 stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
                     self.epi) if cfg.persistent else 16], 16]
 
@@ -1001,7 +990,12 @@ def _kernel_class():
             n_base = row0
             active = True
             if cutlass.const_expr(self.swiglu):
-                xchg = storage.xchg.get_tensor(cute.make_layout((self.acc_n, 128), stride=(1, self.acc_n)))
+                xchg_layout = cute.make_layout((self.acc_n, 128), stride=(1, self.acc_n))
+                if cutlass.const_expr(cfg.persistent):
+                    xchg = storage.xchg.get_tensor(xchg_layout)
+                else:  # in the activation stages, once both warpgroups' last WGMMAs have read them
+                    epi_bar.arrive_and_wait()
+                    xchg = cute.make_tensor(cute.recast_ptr(storage.sX.data_ptr(), dtype=Float32), xchg_layout)
                 if wg == 1:
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         xchg[i, ct] = acc[i]
