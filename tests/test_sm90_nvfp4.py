@@ -444,6 +444,8 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 256, 1, 1, Epilogue(bias=True, activation="silu", residual=True)),  # 256-token W4A16 tiles (the
     ("w4a16", 256, 2, 1, Epilogue(activation="gelu_tanh")),  # rule's take two warpgroups; the tune tries one)
     ("w4a16", 256, 2, 1, Epilogue(bias=True, activation="swiglu")),  # SwiGLU's exchange in the drained stages
+    ("w4a8", 256, 1, 1, Epilogue(bias=True), "persistent"),  # W4A8 one-warpgroup grids: persistent,
+    ("w4a8", 256, 1, 2, Epilogue(activation="gelu_tanh"), "cluster"),  # or within half a wave K-split
 ]
 
 
