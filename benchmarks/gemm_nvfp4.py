@@ -897,7 +897,7 @@ def main():
     ap.add_argument("--tile256-ab", action="store_true",
                     help="only: 129-256-token 256-token rule tiles vs the 128-token layouts and bf16")
     ap.add_argument("--swiglu-ab", action="store_true",
-                    help="only: W4A16 SwiGLU at 256-4096 tokens, 256-token tiles against 128 (SWIGLU_SHAPES)")
+                    help="only: W4A16 SwiGLU at 64-4096 tokens, 256-token tiles against 128 (SWIGLU_SHAPES)")
     ap.add_argument("--pad-ab", action="store_true",
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")

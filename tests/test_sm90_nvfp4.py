@@ -271,10 +271,10 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(256, 4096, 14336, Epilogue(), w4a8=False).splits == 1  # 128 CTAs: one wave already
     # W4A8 warpgroups by the same wave rule, persistent in one wave too (CTAs of 1 -> 2 warpgroups)
     assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 2, 5, 1, persistent=True)  # 256 -> 128
-    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 5, 1, persistent=True)  # 96 -> 48
+    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 1)  # 96 -> 48
     assert ng.pick_config(100, 28672, 4096, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)  # up to 128 tokens: 128
-    # a one-warpgroup grid of at most half a wave splits K as a cluster (64 CTAs x 2)
-    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 2, cluster=True)
+    # 128-token tiles where one-warpgroup 256-token CTAs would fill at most half the SMs (64 of 132)
+    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(128, 1, 8, 1)
     # SwiGLU: persistent beyond one wave, its exchange beside 3 stages; within one wave one CTA per tile
     assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True) == ng.Config(
         256, 2, 3, 1, persistent=True)
@@ -292,7 +292,8 @@ def compact_config(c: ng.Config) -> str:
 def test_w4a8_rule_holds_to_the_h100_tune():
     """The W4A8 prefill rule picks, at every point of session 46's H100 tune (six 8B/70B weights,
     M = 256-4096, every tile, split, tile order and depth timed), a config that was timed and ran
-    within 10 % of the fastest, 2 % on average (the rule before: 27 %, 7 %)."""
+    within 4 % of the fastest on average (the rule before: 7 %); both are 27 % off on 4096x14336
+    at 256 tokens, whose fastest layout (a one-warpgroup 2-split cluster) is not yet GPU-checked."""
     rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/nvfp4_w4a8_rule_swiglu256_h100_2026-12-07_s46.json"
                        ).read_text())["1_tune_w4a8_256_4096"]["rows"]
     assert len(rows) == 27
@@ -301,7 +302,7 @@ def test_w4a8_rule_holds_to_the_h100_tune():
         n, k = (int(v) for v in row["shape"].split("x"))
         us = row["us"]
         ratios.append(us[compact_config(ng.pick_config(row["m"], n, k, Epilogue(), True))] / min(us.values()))
-    assert max(ratios) <= 1.10 and sum(ratios) / len(ratios) <= 1.025, sorted(ratios)
+    assert max(ratios) <= 1.27 and sum(ratios) / len(ratios) <= 1.04, sorted(ratios)
 
 
 def test_picked_configs_are_valid():
@@ -749,24 +750,31 @@ def test_gpu_prefill_rule_layouts_match_float64(m, n, k, epi, config):
     assert (out.double() - ref).norm() / ref.norm() < 4e-3
 
 
-W4A8_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A8 256-token layouts
-    (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 5, 1, persistent=True)),  # one wave, one warpgroup
-    (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 1, 6, 2, cluster=True)),  # half a wave: split
+W4A8_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A8 layouts from 256 tokens
+    (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 6, 1)),  # one wave, one warpgroup
+    (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(128, 1, 8, 1)),  # 256 tokens: half a wave
     (300, 6144, 4096, Epilogue(activation="silu", residual=True), ng.Config(256, 2, 5, 1, persistent=True)),
     (1000, 4096, 4096, Epilogue(bias=True), ng.Config(256, 2, 5, 1, persistent=True)),  # last tile partial
-    (500, 10240, 8192, Epilogue(residual=True), ng.Config(256, 1, 5, 1, persistent=True, tokens_fastest=True)),
     (2100, 28672, 4096, Epilogue(activation="silu"), ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True)),
     (600, 4096, 4096, Epilogue(activation="swiglu", bias=True), ng.Config(256, 2, 5, 1)),  # exchange in the stages
     (2000, 8192, 4096, Epilogue(activation="swiglu"), ng.Config(256, 2, 3, 1, persistent=True, tokens_fastest=True)),
 ]
 
 
+def test_rule_layout_cases_are_the_rules_picks():
+    """The configs the GPU rule-layout tests expect are the ones the rules pick, checked on the CPU
+    so that no GPU call is spent on a wrong expectation."""
+    for w4a8_mode, cases in ((False, PREFILL_RULE_CASES), (True, W4A8_RULE_CASES)):
+        for m, n, k, epi, config in cases:
+            assert ng.pick_config(m, n, k, epi, w4a8_mode) == config, (m, n, k, epi)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,epi,config", W4A8_RULE_CASES)
 def test_gpu_w4a8_rule_layouts_match_float64(m, n, k, epi, config):
     """The W4A8 rule's layouts (one or two warpgroups, persistent in one wave and beyond in
-    either tile order, a K-split cluster, SwiGLU with and without a CTA per tile) match the
-    W4A8 reference in float64 through the default route."""
+    either tile order, SwiGLU with and without a CTA per tile) match the W4A8 reference in
+    float64 through the default route."""
     assert ng.pick_config(m, n, k, epi, True) == config
     out, ref = _gpu_case(m, n, k, epi, seed=m, mode="w4a8")
     assert torch.isfinite(out).all()
@@ -827,6 +835,9 @@ PERSISTENT_CASES = [  # (mode, config, epilogue): every persistent CTA runs 2-8 
     ("w4a16", ng.Config(128, 1, 6, 1, persistent=True), Epilogue()),
     ("w4a8", ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True), Epilogue(bias=True)),
     ("w4a16", ng.Config(128, 2, 5, 1, persistent=True, tokens_fastest=True), Epilogue(residual=True)),
+    # W4A8 one-warpgroup 256-token tiles, faster persistent (session 46 tune); the rule waits for these
+    ("w4a8", ng.Config(256, 1, 5, 1, persistent=True), Epilogue(bias=True)),
+    ("w4a8", ng.Config(256, 1, 5, 1, persistent=True, tokens_fastest=True), Epilogue(activation="silu", residual=True)),
 ]
 
 
@@ -879,6 +890,7 @@ CLUSTER_CASES = [  # (mode, turnstile config, M, epilogue): several row blocks p
     ("w4a16", ng.Config(64, 2, 8, 2), 64, Epilogue(activation="swiglu", bias=True)),
     ("w4a8", ng.Config(64, 1, 4, 2), 64, Epilogue(bias=True)),
     ("w4a8", ng.Config(32, 2, 4, 4), 50, Epilogue(residual=True)),
+    ("w4a8", ng.Config(256, 1, 6, 2), 256, Epilogue(bias=True)),  # half-wave W4A8 grids (session 46 tune)
 ]
 
 

@@ -328,8 +328,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     ``benchmarks/notes/nvfp4.md``).
 
     * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128, then 256: W4A8 beyond 128
-      tokens (H100 tune, session 46: at 256-512 tokens 1.04-1.27x the per-tile cost table fitted
-      to an older H200 sweep), W4A16 where :func:`w4a16_tile256` says.
+      tokens but where one-warpgroup 256-token CTAs would fill at most half the SMs (H100 tune,
+      session 46: at 256-512 tokens 1.0-1.17x the per-tile cost table fitted to an older H200
+      sweep), W4A16 where :func:`w4a16_tile256` says.
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
       >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128- and
@@ -344,22 +345,21 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
       clusters of >= 4 (GPC packing); always as clusters of <= 8 (H100 tune, session 44:
       1.25-2.26x faster at 65-256 tokens on 1024-4096-row weights; 4-clusters of 128 CTAs
-      1.3-1.5x slower than 2). So do W4A8 one-warpgroup 256-token grids (session 46: 256 tokens
-      on 4096x4096 and 4096x14336, 2 splits 1.0-1.27x the one-CTA-per-SM-wave layouts).
+      1.3-1.5x slower than 2).
     * Stages: 8 for one-warpgroup decode CTAs (4 CTAs per SM), 4 for two; larger tiles fill all
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
       19 % faster, at worst 3 % slower; two-warpgroup tiles on shorter splits 3-12 % slower).
-    * Persistent: W4A16 two-warpgroup 128- and 256-token grids of more tiles than SMs; W4A8
-      unsplit 256-token grids (SwiGLU's only beyond one wave); see the comment below."""
+    * Persistent: two-warpgroup grids, W4A16 128- and 256-token ones of more tiles than SMs, W4A8
+      256-token ones of any size (SwiGLU's beyond one wave); see the comment below."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
         bn = next(b for b in (8, 16, 32) if m <= b)
     elif m <= 64:
         bn = 64
-    elif w4a8:
-        bn = 256 if m > 128 else 128
+    elif w4a8:  # 128-token tiles where 256-token one-warpgroup CTAs would fill at most half the SMs
+        bn = 256 if m > 128 and 2 * rows * -(-m // 256) > num_sms else 128
     else:
         bn = 256 if w4a16_tile256(m, rows, num_sms) else 128
     m_tiles = -(-m // bn)
@@ -377,8 +377,7 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         splits *= 2
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
-    if (bn == 128 and not (w4a8 or swiglu)) or (bn == 256 and w4a8 and wgs == 1):
-        # grids of at most half a wave: K-splits, as clusters, keeping one wave
+    if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
         while (splits < 8 and k_tiles // (2 * splits) >= 8
                and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms)):
             splits *= 2
@@ -392,17 +391,18 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
         stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1)))
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
-    if ((w4a8 and bn == 256 and splits == 1 and (ctas > num_sms or not swiglu))
-            or (not w4a8 and wgs == 2 and bn >= 128 and ctas > num_sms)):
+    if wgs == 2 and ((w4a8 and bn == 256 and (ctas > num_sms or not swiglu))
+                     or (not w4a8 and bn >= 128 and ctas > num_sms)):
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13; W4A8 in any grid but
-        # SwiGLU's one-wave ones: H100 tune, session 46, 3-10 % faster in one wave too): 4 stages
+        # SwiGLU's one-wave ones: H100 tune, session 46, 3-10 % faster in one wave too; so were
+        # one-warpgroup ones, not yet checked on a GPU against float64): 4 stages
         # (W4A16 beyond 1024 tokens and W4A8 but for token tiles fastest: 5), fewer where staging
         # room runs out (SwiGLU's exchange; W4A16 256-token tiles: 3, with SwiGLU none: one CTA per
         # tile, exchanging in the drained stages). W4A8 grids of more tiles than
         # SMs visit the token tiles of a weight row block first where the weight outweighs the FP8
         # activations (so those stay in L2), else the row blocks of a token tile first.
         tokens_fastest = w4a8 and ctas > num_sms and 9 * n_pad > 16 * m
-        first = (4 if tokens_fastest and wgs == 2 else 5) if w4a8 else (4 if m <= 1024 else 5)
+        first = (4 if tokens_fastest else 5) if w4a8 else (4 if m <= 1024 else 5)
         for depth in range(first, 2, -1):
             cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=tokens_fastest)
             if fits(cfg, epilogue, w4a8):
