@@ -916,50 +916,24 @@ def main():
     if args.check_only:
         with open(out / "check.log", "w") as fh:
             sys.exit(0 if run_check(fh, args.check_gemv_only) else 1)
-    if args.floors:
-        with open(out / "floors.log", "w") as fh:
-            (out / "floors.json").write_text(json.dumps(run_floors(fh), indent=1))
-        return
-    if args.act_quant_sweep:
-        with open(out / "aq.log", "w") as fh:
-            (out / "aq.json").write_text(json.dumps(run_act_quant_sweep(fh), indent=1))
-        return
-    if args.persistent_ab:
-        with open(out / "pab.log", "w") as fh:
-            (out / "pab.json").write_text(json.dumps(run_persistent_ab(args.shapes, fh, args.w4a8_ms), indent=1))
-        return
-    if args.cluster_ab:
-        with open(out / "cluster.log", "w") as fh:
-            (out / "cluster.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms), indent=1))
-        return
-    if args.short_ab:
-        with open(out / "short.log", "w") as fh:
-            (out / "short.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, short_tile_contenders), indent=1))
-        return
-    if args.halved_ab:
-        with open(out / "halved.log", "w") as fh:
-            (out / "halved.json").write_text(json.dumps(run_cluster_ab(args.shapes, fh, args.ms, halved_split_contenders), indent=1))
-        return
-    if args.tile256_ab:
-        with open(out / "tile256.log", "w") as fh:
-            (out / "tile256.json").write_text(json.dumps(run_tile256_ab(args.shapes, fh), indent=1))
-        return
-    if args.swiglu_ab:
-        with open(out / "swiglu.log", "w") as fh:
-            (out / "swiglu.json").write_text(json.dumps(run_swiglu_ab(fh), indent=1))
-        return
-    if args.pad_ab:
-        with open(out / "pad.log", "w") as fh:
-            (out / "pad.json").write_text(json.dumps(run_pad_ab(args.shapes, fh), indent=1))
-        return
-    if args.gemv_stages_ab:
-        with open(out / "stages.log", "w") as fh:
-            (out / "stages.json").write_text(json.dumps(run_gemv_stages_ab(args.shapes, fh), indent=1))
-        return
-    if args.gemv_ab:
-        with open(out / "ab.log", "w") as fh:
-            (out / "ab.json").write_text(json.dumps(run_gemv_ab(fh), indent=1))
-        return
+    only = {  # flag: (the stem of its .log and .json in --out, the run), tried in this order
+        "floors": ("floors", lambda fh: run_floors(fh)),
+        "act_quant_sweep": ("aq", lambda fh: run_act_quant_sweep(fh)),
+        "persistent_ab": ("pab", lambda fh: run_persistent_ab(args.shapes, fh, args.w4a8_ms)),
+        "cluster_ab": ("cluster", lambda fh: run_cluster_ab(args.shapes, fh, args.ms)),
+        "short_ab": ("short", lambda fh: run_cluster_ab(args.shapes, fh, args.ms, short_tile_contenders)),
+        "halved_ab": ("halved", lambda fh: run_cluster_ab(args.shapes, fh, args.ms, halved_split_contenders)),
+        "tile256_ab": ("tile256", lambda fh: run_tile256_ab(args.shapes, fh)),
+        "swiglu_ab": ("swiglu", lambda fh: run_swiglu_ab(fh)),
+        "pad_ab": ("pad", lambda fh: run_pad_ab(args.shapes, fh)),
+        "gemv_stages_ab": ("stages", lambda fh: run_gemv_stages_ab(args.shapes, fh)),
+        "gemv_ab": ("ab", lambda fh: run_gemv_ab(fh)),
+    }
+    for flag, (stem, run) in only.items():
+        if getattr(args, flag):
+            with open(out / f"{stem}.log", "w") as fh:
+                (out / f"{stem}.json").write_text(json.dumps(run(fh), indent=1))
+            return
     deadline = time.time() + args.budget
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
