@@ -271,10 +271,14 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(256, 4096, 14336, Epilogue(), w4a8=False).splits == 1  # 128 CTAs: one wave already
     # W4A8 warpgroups by the same wave rule, persistent in one wave too (CTAs of 1 -> 2 warpgroups)
     assert ng.pick_config(1024, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 2, 5, 1, persistent=True)  # 256 -> 128
-    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 1)  # 96 -> 48
+    assert ng.pick_config(256, 6144, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 1, persistent=True)  # 96 -> 48
     assert ng.pick_config(100, 28672, 4096, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)  # up to 128 tokens: 128
-    # 128-token tiles where one-warpgroup 256-token CTAs would fill at most half the SMs (64 of 132)
-    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(128, 1, 8, 1)
+    # one-warpgroup 256-token CTAs filling at most half the SMs (64 of 132): K in halves, a cluster
+    assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 2, cluster=True)
+    # 384 tokens, 1.5 tiles of 256: 128-token tiles where they take no more waves (10240x8192: 240
+    # two-warpgroup CTAs, two waves, against 320 one-warpgroup 256-token ones, three)
+    assert ng.pick_config(384, 10240, 8192, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)
+    assert ng.pick_config(384, 6144, 4096, Epilogue(), w4a8=True).bn == 256  # 288 CTAs of 128 tokens against 96
     # SwiGLU: persistent beyond one wave, its exchange beside 3 stages; within one wave one CTA per tile
     assert ng.pick_config(4096, 4096, 4096, Epilogue(activation="swiglu"), w4a8=True) == ng.Config(
         256, 2, 3, 1, persistent=True)
@@ -289,20 +293,23 @@ def compact_config(c: ng.Config) -> str:
             + " tokens_fastest" * c.tokens_fastest + " cluster" * c.cluster)
 
 
-def test_w4a8_rule_holds_to_the_h100_tune():
-    """The W4A8 prefill rule picks, at every point of session 46's H100 tune (six 8B/70B weights,
-    M = 256-4096, every tile, split, tile order and depth timed), a config that was timed and ran
-    within 4 % of the fastest on average (the rule before: 7 %); both are 27 % off on 4096x14336
-    at 256 tokens, whose fastest layout (a one-warpgroup 2-split cluster) is not yet GPU-checked."""
-    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/nvfp4_w4a8_rule_swiglu256_h100_2026-12-07_s46.json"
-                       ).read_text())["1_tune_w4a8_256_4096"]["rows"]
-    assert len(rows) == 27
-    ratios = []
-    for row in rows:
-        n, k = (int(v) for v in row["shape"].split("x"))
-        us = row["us"]
-        ratios.append(us[compact_config(ng.pick_config(row["m"], n, k, Epilogue(), True))] / min(us.values()))
-    assert max(ratios) <= 1.27 and sum(ratios) / len(ratios) <= 1.04, sorted(ratios)
+def test_w4a8_rule_holds_to_the_h100_tunes():
+    """The W4A8 prefill rule picks, at every point of the H100 tunes (every tile, split, tile order
+    and depth timed), a config that was timed and ran within 3 % of the fastest on average and 8 %
+    at worst: session 46's (six 8B/70B weights, M = 256-4096; session 46's rule: 4 % and 27 %) and
+    session 46's held-out one (five weights at M = 384 and 768: 7 % and 33 %; at most 16 % now, on
+    4096x14336 at 384 tokens, whose fastest layout, a two-warpgroup 2-split cluster, is no rule's)."""
+    results = Path(__file__).parents[1] / "benchmarks/results"
+    for file, section, count, worst in (("nvfp4_w4a8_rule_swiglu256_h100_2026-12-07_s46.json", "1_tune_w4a8_256_4096", 27, 1.08),
+                                        ("nvfp4_w4a8_rule_h100_2026-12-07_s47.json", "1_tune_w4a8_384_768", 10, 1.16)):
+        rows = json.loads((results / file).read_text())[section]["rows"]
+        assert len(rows) == count
+        ratios = []
+        for row in rows:
+            n, k = (int(v) for v in row["shape"].split("x"))
+            us = row["us"]
+            ratios.append(us[compact_config(ng.pick_config(row["m"], n, k, Epilogue(), True))] / min(us.values()))
+        assert max(ratios) <= worst and sum(ratios) / len(ratios) <= 1.03, (section, sorted(ratios))
 
 
 def test_picked_configs_are_valid():
@@ -751,8 +758,10 @@ def test_gpu_prefill_rule_layouts_match_float64(m, n, k, epi, config):
 
 
 W4A8_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A8 layouts from 256 tokens
-    (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 6, 1)),  # one wave, one warpgroup
-    (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(128, 1, 8, 1)),  # 256 tokens: half a wave
+    (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 6, 1, persistent=True)),  # one wave, one warpgroup
+    (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 1, 6, 2, cluster=True)),  # half a wave: K halves
+    (384, 4096, 4096, Epilogue(residual=True), ng.Config(128, 2, 8, 1)),  # 1.5 tiles of 256, no fewer waves
+    (1000, 6144, 4096, Epilogue(activation="silu"), ng.Config(256, 1, 6, 1, persistent=True, tokens_fastest=True)),
     (300, 6144, 4096, Epilogue(activation="silu", residual=True), ng.Config(256, 2, 5, 1, persistent=True)),
     (1000, 4096, 4096, Epilogue(bias=True), ng.Config(256, 2, 5, 1, persistent=True)),  # last tile partial
     (2100, 28672, 4096, Epilogue(activation="silu"), ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True)),
@@ -835,7 +844,7 @@ PERSISTENT_CASES = [  # (mode, config, epilogue): every persistent CTA runs 2-8 
     ("w4a16", ng.Config(128, 1, 6, 1, persistent=True), Epilogue()),
     ("w4a8", ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True), Epilogue(bias=True)),
     ("w4a16", ng.Config(128, 2, 5, 1, persistent=True, tokens_fastest=True), Epilogue(residual=True)),
-    # W4A8 one-warpgroup 256-token tiles, faster persistent (session 46 tune); the rule waits for these
+    # W4A8 one-warpgroup 256-token tiles, faster persistent (session 46 tune)
     ("w4a8", ng.Config(256, 1, 5, 1, persistent=True), Epilogue(bias=True)),
     ("w4a8", ng.Config(256, 1, 5, 1, persistent=True, tokens_fastest=True), Epilogue(activation="silu", residual=True)),
 ]

@@ -327,10 +327,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
     """Tile, depth and K-split for ``x[m, k] @ w[n_pad, k].T`` (rules fitted to the H200 sweep in
     ``benchmarks/notes/nvfp4.md``).
 
-    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128, then 256: W4A8 beyond 128
-      tokens but where one-warpgroup 256-token CTAs would fill at most half the SMs (H100 tune,
-      session 46: at 256-512 tokens 1.0-1.17x the per-tile cost table fitted to an older H200
-      sweep), W4A16 where :func:`w4a16_tile256` says.
+    * Tokens: the smallest WGMMA N holding ``m``; beyond 64, 128, then 256 where
+      :func:`w4a8_tile256` (W4A8; H100 tune, session 46: at 256-512 tokens 1.0-1.17x the per-tile
+      cost table fitted to an older H200 sweep) or :func:`w4a16_tile256` (W4A16) says.
     * Warpgroups (64 weight rows each, sharing the activation tile): 2 for SwiGLU, for 16-32
       token tiles, for 64-token tiles of very tall weights (and, W4A16, of one-wave weights with
       >= 48 k-tiles, with 2 K-splits: H100 A/B, session 31, 6-7 % faster), and for 128- and
@@ -341,6 +340,9 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       (64-token tiles in one wave), the splits meet in a thread-block cluster (H100 A/B, session
       31: 10-22 % faster than the turnstile; with several CTAs per SM 13-44 % slower). W4A16 at
       16-32 tokens: :func:`short_split_layout` reshapes the grid.
+    * K-splits, W4A8 one-warpgroup 256-token grids of at most half a wave: 2, as a cluster (H100
+      tune, session 46: 4096x14336 at 256 tokens 1.27x faster than 128-token tiles; 4096x4096
+      within 2 % of them); GPU-checked in session 47.
     * K-splits, W4A16 128-token grids of at most half a wave (narrow weights, no SwiGLU): double
       while each split keeps >= 8 k-tiles and the grid stays one wave, within 90 % of the SMs for
       clusters of >= 4 (GPC packing); always as clusters of <= 8 (H100 tune, session 44:
@@ -350,16 +352,16 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
       of the shared memory; 64-token tiles half of it (two CTAs per SM) unless the grid fits one
       wave and, for two warpgroups, each split runs >= 24 k-tiles (H100 session 25: then up to
       19 % faster, at worst 3 % slower; two-warpgroup tiles on shorter splits 3-12 % slower).
-    * Persistent: two-warpgroup grids, W4A16 128- and 256-token ones of more tiles than SMs, W4A8
-      256-token ones of any size (SwiGLU's beyond one wave); see the comment below."""
+    * Persistent: W4A16 two-warpgroup 128- and 256-token grids of more tiles than SMs, W4A8
+      256-token grids of any size but split ones (SwiGLU's beyond one wave); see the comment below."""
     rows = n_pad // ROWS
     swiglu = epilogue.activation == "swiglu"
     if m <= 32:
         bn = next(b for b in (8, 16, 32) if m <= b)
     elif m <= 64:
         bn = 64
-    elif w4a8:  # 128-token tiles where 256-token one-warpgroup CTAs would fill at most half the SMs
-        bn = 256 if m > 128 and 2 * rows * -(-m // 256) > num_sms else 128
+    elif w4a8:
+        bn = 256 if m > 128 and w4a8_tile256(m, rows, num_sms) else 128
     else:
         bn = 256 if w4a16_tile256(m, rows, num_sms) else 128
     m_tiles = -(-m // bn)
@@ -377,6 +379,8 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         splits *= 2
     if bn == 64 and not w4a8 and wgs * splits == 1 and ctas <= num_sms and k_tiles // 2 >= 24:
         wgs, splits, ctas = 2, 2, ctas // 2  # one wave: two warpgroups share each activation tile, K in halves
+    if bn == 256 and w4a8 and wgs == 1 and 2 * ctas <= num_sms and k_tiles // 2 >= 8:
+        splits = 2  # half-wave one-warpgroup grids: K in halves meeting in a cluster
     if bn == 128 and not (w4a8 or swiglu):  # grids of at most half a wave: K-splits, as clusters, keeping one wave
         while (splits < 8 and k_tiles // (2 * splits) >= 8
                and ctas * 2 * splits <= (num_sms if splits == 1 else 0.9 * num_sms)):
@@ -391,23 +395,46 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         two_per_sm = bn == 64 and (ctas * splits > num_sms or (wgs == 2 and k_tiles // splits < 24))
         stages = max(3, min(8, max_stages(bn, wgs, w4a8, 2 if two_per_sm else 1)))
         cluster = 1 < splits <= 8 and not two_per_sm  # a cluster holds at most 8 CTAs
-    if wgs == 2 and ((w4a8 and bn == 256 and (ctas > num_sms or not swiglu))
-                     or (not w4a8 and bn >= 128 and ctas > num_sms)):
+    if ((w4a8 and bn == 256 and splits == 1 and (ctas > num_sms or not swiglu))
+            or (not w4a8 and wgs == 2 and bn >= 128 and ctas > num_sms)):
         # persistent CTAs (H200 A/Bs, benchmarks/notes/nvfp4.md session 13; W4A8 in any grid but
-        # SwiGLU's one-wave ones: H100 tune, session 46, 3-10 % faster in one wave too; so were
-        # one-warpgroup ones, not yet checked on a GPU against float64): 4 stages
-        # (W4A16 beyond 1024 tokens and W4A8 but for token tiles fastest: 5), fewer where staging
+        # SwiGLU's one-wave ones: H100 tune, session 46, 3-10 % faster in one wave too, 3-7 % for
+        # one-warpgroup CTAs): 4 stages (W4A16 beyond 1024 tokens and W4A8 two-warpgroup CTAs but
+        # for token tiles fastest: 5; W4A8 one-warpgroup CTAs: 6), fewer where staging
         # room runs out (SwiGLU's exchange; W4A16 256-token tiles: 3, with SwiGLU none: one CTA per
         # tile, exchanging in the drained stages). W4A8 grids of more tiles than
         # SMs visit the token tiles of a weight row block first where the weight outweighs the FP8
         # activations (so those stay in L2), else the row blocks of a token tile first.
         tokens_fastest = w4a8 and ctas > num_sms and 9 * n_pad > 16 * m
-        first = (4 if tokens_fastest else 5) if w4a8 else (4 if m <= 1024 else 5)
+        first = (6 if wgs == 1 else (4 if tokens_fastest else 5)) if w4a8 else (4 if m <= 1024 else 5)
         for depth in range(first, 2, -1):
             cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=tokens_fastest)
             if fits(cfg, epilogue, w4a8):
                 return cfg
     return Config(bn, wgs, stages, splits, cluster=cluster)
+
+
+def tile256_pads_no_more(m: int) -> bool:
+    """Whether 256-token tiles over ``m`` tokens pad no more rows than 128-token tiles, or at most
+    1/16 more (from 2048 tokens)."""
+    return 2 * -(-m // 256) == -(-m // 128) or m >= 2048
+
+
+def w4a8_tile256(m: int, rows: int, num_sms: int) -> bool:
+    """Whether W4A8 ``m`` (> 128) tokens over ``rows`` 64-row weight blocks run 256-token tiles:
+    where they pad no more than 128-token tiles, or where the 128-token grid would take more waves
+    (each tile with the warpgroups :func:`two_warpgroups_pay` gives it). H100 held-out tune, session
+    47: at 384 tokens (1.5 tiles of 256) 128-token tiles 1.07-1.33x faster where they take no more
+    waves (4096x4096, 4096x14336, 10240x8192), 256-token ones 1.17-1.44x faster where the 128-token
+    grid takes more (6144x4096, 14336x4096)."""
+    if tile256_pads_no_more(m):
+        return True
+
+    def waves(bn: int) -> int:
+        m_tiles = -(-m // bn)
+        wgs = 2 if two_warpgroups_pay(rows, m_tiles, num_sms) else 1
+        return -(-(rows // wgs) * m_tiles // num_sms)
+    return waves(256) < waves(128)
 
 
 def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
@@ -421,7 +448,7 @@ def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
     46, gate/up of 2048-8192 x 16384-57344): 1.04-1.20x the 128-token rule from 512 tokens, at
     256 tokens 0.95-1.12x."""
     m_tiles = -(-m // 256)
-    return m > 128 and (2 * m_tiles == -(-m // 128) or m >= 2048) and two_warpgroups_pay(rows, m_tiles, num_sms)
+    return m > 128 and tile256_pads_no_more(m) and two_warpgroups_pay(rows, m_tiles, num_sms)
 
 
 def two_warpgroups_pay(rows: int, m_tiles: int, num_sms: int) -> bool:
