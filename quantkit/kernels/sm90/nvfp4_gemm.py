@@ -404,8 +404,10 @@ def pick_config(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, num_
         # room runs out (SwiGLU's exchange; W4A16 256-token tiles: 3, with SwiGLU none: one CTA per
         # tile, exchanging in the drained stages). W4A8 grids of more tiles than
         # SMs visit the token tiles of a weight row block first where the weight outweighs the FP8
-        # activations (so those stay in L2), else the row blocks of a token tile first.
-        tokens_fastest = w4a8 and ctas > num_sms and 9 * n_pad > 16 * m
+        # activations (so those stay in L2), else the row blocks of a token tile first; W4A8
+        # one-warpgroup grids always row blocks first (session 47: token tiles first 0.92-1.21x the time,
+        # 1.1-1.2x at 384-1152 tokens, where the last token tile is partly padding).
+        tokens_fastest = w4a8 and wgs == 2 and ctas > num_sms and 9 * n_pad > 16 * m
         first = (6 if wgs == 1 else (4 if tokens_fastest else 5)) if w4a8 else (4 if m <= 1024 else 5)
         for depth in range(first, 2, -1):
             cfg = Config(bn, wgs, depth, 1, persistent=True, tokens_fastest=tokens_fastest)
@@ -422,11 +424,12 @@ def tile256_pads_no_more(m: int) -> bool:
 
 def w4a8_tile256(m: int, rows: int, num_sms: int) -> bool:
     """Whether W4A8 ``m`` (> 128) tokens over ``rows`` 64-row weight blocks run 256-token tiles:
-    where they pad no more than 128-token tiles, or where the 128-token grid would take more waves
-    (each tile with the warpgroups :func:`two_warpgroups_pay` gives it). H100 held-out tune, session
-    47: at 384 tokens (1.5 tiles of 256) 128-token tiles 1.07-1.33x faster where they take no more
-    waves (4096x4096, 4096x14336, 10240x8192), 256-token ones 1.17-1.44x faster where the 128-token
-    grid takes more (6144x4096, 14336x4096)."""
+    where they pad no more than 128-token tiles; else where they take fewer waves than 128-token
+    tiles (each tile with the warpgroups :func:`two_warpgroups_pay` gives it), or as many beyond
+    one (where the 256-token grid runs persistent and the 128-token one cannot gain by it). H100
+    tunes, session 47, at 384, 640 and 1152 tokens on 9 weights: 128-token tiles 1.03-1.25x
+    faster where they take fewer waves or both one, 256-token ones 1.05-1.54x faster where they
+    take fewer waves or as many beyond one."""
     if tile256_pads_no_more(m):
         return True
 
@@ -434,7 +437,8 @@ def w4a8_tile256(m: int, rows: int, num_sms: int) -> bool:
         m_tiles = -(-m // bn)
         wgs = 2 if two_warpgroups_pay(rows, m_tiles, num_sms) else 1
         return -(-(rows // wgs) * m_tiles // num_sms)
-    return waves(256) < waves(128)
+    w256, w128 = waves(256), waves(128)
+    return w256 < w128 or w256 == w128 > 1
 
 
 def w4a16_tile256(m: int, rows: int, num_sms: int) -> bool:
