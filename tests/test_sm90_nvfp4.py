@@ -275,8 +275,8 @@ def test_pick_config_fills_the_gpu_and_respects_swiglu():
     assert ng.pick_config(100, 28672, 4096, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)  # up to 128 tokens: 128
     # one-warpgroup 256-token CTAs filling at most half the SMs (64 of 132): K in halves, a cluster
     assert ng.pick_config(256, 4096, 4096, Epilogue(), w4a8=True) == ng.Config(256, 1, 6, 2, cluster=True)
-    # 384 tokens, 1.5 tiles of 256: 128-token tiles where they take no more waves (10240x8192: 240
-    # two-warpgroup CTAs, two waves, against 320 one-warpgroup 256-token ones, three)
+    # 384 tokens, 1.5 tiles of 256: 128-token tiles where they take fewer waves, or both one (10240x8192:
+    # 240 two-warpgroup CTAs, two waves, against 320 one-warpgroup 256-token ones, three)
     assert ng.pick_config(384, 10240, 8192, Epilogue(), w4a8=True) == ng.Config(128, 2, 8, 1)
     assert ng.pick_config(384, 6144, 4096, Epilogue(), w4a8=True).bn == 256  # 288 CTAs of 128 tokens against 96
     # SwiGLU: persistent beyond one wave, its exchange beside 3 stages; within one wave one CTA per tile
@@ -763,7 +763,7 @@ def test_gpu_prefill_rule_layouts_match_float64(m, n, k, epi, config):
 W4A8_RULE_CASES = [  # (m, n, k, epilogue, the rule's config): W4A8 layouts from 256 tokens
     (256, 6144, 4096, Epilogue(bias=True), ng.Config(256, 1, 6, 1, persistent=True)),  # one wave, one warpgroup
     (256, 4096, 4096, Epilogue(activation="gelu_tanh"), ng.Config(256, 1, 6, 2, cluster=True)),  # half a wave: K halves
-    (384, 4096, 4096, Epilogue(residual=True), ng.Config(128, 2, 8, 1)),  # 1.5 tiles of 256, no fewer waves
+    (384, 4096, 4096, Epilogue(residual=True), ng.Config(128, 2, 8, 1)),  # 1.5 tiles of 256, both one wave
     (1000, 6144, 4096, Epilogue(activation="silu"), ng.Config(256, 1, 6, 1, persistent=True)),  # 384 CTAs, rows first
     (300, 6144, 4096, Epilogue(activation="silu", residual=True), ng.Config(256, 2, 5, 1, persistent=True)),
     (1000, 4096, 4096, Epilogue(bias=True), ng.Config(256, 2, 5, 1, persistent=True)),  # last tile partial
