@@ -15,7 +15,9 @@ Run: ``python benchmarks/gemm_nvfp4.py [--out DIR] [--skip-check] [--shapes 8b 7
    ``gemm_w4a16(wformat="nvfp4")`` at M <= 64 when importable, and torchao's int4 weight-only
    kernel (tinygemm, ``aten._weight_int4pack_mm``, group 128: what ``Int4WeightOnlyConfig`` runs
    with ``int4_packing_format="tile_packed_to_4d"``) at M <= 256 on an int4 copy of the weight
-   (4.25 bits per weight against NVFP4's 4.5). Median of CUDA-graph replays (CUDA
+   (4.25 bits per weight against NVFP4's 4.5); at the W4A8 token counts also FP8 ``torch._scaled_mm``
+   with row-wise scales on FP8 weights (W4A8's ceiling: the same tensor-core work, no weight
+   decode; ``gemm x fp8 mm`` compares W4A8's GEMM alone with it). Median of CUDA-graph replays (CUDA
    events), a row's contenders timed in turn over 3 rounds (median round);
    weights rotated across enough copies to exceed L2. TB/s counts the bytes that must move
    (weights + scales + x + out). Prints the table last; JSON and logs go to ``--out``.
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantkit.formats import get_format, w4a8  # noqa: E402
+from quantkit.formats import fp8, get_format, w4a8  # noqa: E402
 from quantkit.formats.codecs import e2m1_decode, unpack_nibbles  # noqa: E402
 from quantkit.kernels import cache as kcache  # noqa: E402
 from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gate_up  # noqa: E402
@@ -300,6 +302,8 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     int4s = [(packed.clone(), sz.clone()) for _ in range(copies_for(int4_bytes))]
                 except Exception:  # noqa: BLE001
                     log(f"tinygemm packing failed: {traceback.format_exc(limit=3)}", fh)
+            fp8s = [fp8.quantize(torch.randn(n, k, device="cuda"), (1, 0)) for _ in range(copies_for(n * k))] \
+                if w4a8_ms else []  # row-wise FP8 weights for _scaled_mm: W4A8's ceiling with no decode
             for m in sorted(set(ms) | set(w4a8_ms)):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 io_bytes = 2 * m * k + 2 * m * n
@@ -327,6 +331,10 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
                                                w_bytes)
                     contenders["act_quant"] = ([lambda: nw8.quantize_activation(x)], 0)
+                    if m % 16 == 0:  # cuBLAS FP8 wants M, N, K multiples of 16
+                        xr, xrs = fp8.quantize(x, (1, 0))
+                        contenders["fp8_mm"] = ([lambda w=w, xr=xr, xrs=xrs: torch._scaled_mm(
+                            xr, w[0].t(), scale_a=xrs, scale_b=w[1].t(), out_dtype=torch.bfloat16) for w in fp8s], n * k)
                 timer = watchdog(300 * ROUNDS * len(contenders), f"bench {res['shape']} m={m}")
                 rounds = interleaved_us(  # in turn, so no contender alone gets a cool GPU's clock
                     {cname: fns for cname, (fns, _) in contenders.items()}, rounds=ROUNDS, reps=15,
@@ -338,7 +346,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     res[cname + "_tbs"] = (contenders[cname][1] + io_bytes) / us / 1e6
                 log("BENCH " + json.dumps(res), fh)
                 rows.append(res)
-            del preps, bf16s, qblobs, int4s
+            del preps, bf16s, qblobs, int4s, fp8s
             torch.cuda.empty_cache()
     return rows
 
@@ -814,7 +822,8 @@ def run_tune(fh, deadline, ms=TUNE_MS, modes=("w4a16", "w4a8"), cases=TUNE_CASES
 
 def table(rows) -> str:
     head = ("shape", "M", "w4a16 µs", "TB/s", "bf16 µs", "TB/s", "x bf16", "deq+mm µs", "quack µs", "x quack",
-            "tinygemm µs", "TB/s", "x tinygemm", "wgmma µs", "gemv µs", "TB/s", "x bf16", "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs")
+            "tinygemm µs", "TB/s", "x tinygemm", "wgmma µs", "gemv µs", "TB/s", "x bf16", "w4a8 µs", "x bf16", "w4a8 gemm µs", "actq µs",
+            "fp8 mm µs", "gemm x fp8 mm")
     lines = [" | ".join(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
@@ -825,7 +834,7 @@ def table(rows) -> str:
                                  ratio("w4a16", "quack"), f("tinygemm"), f("tinygemm_tbs", "{:.2f}"),
                                  ratio("w4a16", "tinygemm"), f("wgmma"), f("gemv"), f("gemv_tbs", "{:.2f}"),
                                  ratio("gemv", "bf16"), f("w4a8"), ratio("w4a8", "bf16"), f("w4a8_gemm"),
-                                 f("act_quant")]))
+                                 f("act_quant"), f("fp8_mm"), ratio("w4a8_gemm", "fp8_mm")]))
     return "\n".join(lines)
 
 
