@@ -7,6 +7,13 @@ from collections.abc import Callable
 
 import torch
 
+L2_BYTES = 50 * 2**20  # Hopper's L2 (H100 / H200)
+
+
+def copies_for(nbytes: int) -> int:
+    """How many copies of an ``nbytes`` input to rotate over so replays read > 3x L2 (1-16)."""
+    return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
+
 
 def graph_median_us(fns: list[Callable[[], object]], reps: int = 15, warm_s: float = 0.05) -> float:
     """Median µs per call of ``fns`` (each called once per replay, e.g. one per rotated input copy),
