@@ -1,8 +1,10 @@
-"""SM clock and power while each large-GEMM contender runs for seconds: is the fp8-block GEMM's gap
-to ``_scaled_mm`` tensor-pipe idle time at the same clock, or a lower clock under the power limit?
+"""SM clock and power while each large-GEMM contender runs for seconds: is the fp8-block (or, with
+``--w4a8``, the NVFP4 W4A8) GEMM's gap to ``_scaled_mm`` tensor-pipe idle time at the same clock,
+or a lower clock under the power limit?
 
-Run: ``python benchmarks/clocks_under_load.py [--out DIR] [--seconds 3] [--rounds 2]``. Per shape
-and round, each contender (ours at its dispatch config, FP8 ``_scaled_mm`` row-wise, bf16
+Run: ``python benchmarks/clocks_under_load.py [--out DIR] [--seconds 3] [--rounds 2] [--w4a8]``. Per
+shape and round, each contender (ours at its dispatch config: fp8-block, or with ``--w4a8`` the W4A8
+GEMM alone on activations quantized beforehand; FP8 ``_scaled_mm`` row-wise, bf16
 ``F.linear``) replays a CUDA graph of its rotated calls back to back for ``--seconds`` while
 ``nvidia-smi`` samples the SM clock and board power every 50 ms. Reports µs per call (CUDA events
 over the window), the median clock and power over the window's last three quarters, TFLOP/s, and
@@ -21,9 +23,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_fp8_block import Problem  # benchmarks/gemm_fp8_block.py
+from timing import copies_for  # benchmarks/timing.py
 
 SHAPES = ((8192, 8192, 8192), (4096, 28672, 4096), (4096, 6144, 4096), (4096, 24576, 1536))
+W4A8_SHAPES = ((4096, 4096, 4096), (4096, 6144, 4096), (4096, 28672, 4096), (4096, 4096, 14336))
 QUERY = "clocks.sm,power.draw,temperature.gpu"
+
+
+def w4a8_fns(m: int, n: int, k: int) -> list:
+    """The W4A8 GEMM alone (bf16 ``[M, N]`` out) over rotated NVFP4 weight copies ``[N, K]``
+    (random normal), on one random-normal activation quantized beforehand."""
+    from gemm_nvfp4 import quantized  # benchmarks/gemm_nvfp4.py
+
+    from quantkit.kernels.sm90 import nvfp4_gemm as ng
+    from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8
+
+    qw = quantized(n, k, seed=n + k)
+    preps = [ng.prepare(qw.data, qw.scale, qw.tensor_scale) for _ in range(copies_for(n * k * 9 // 16))]
+    xq, xs = nw8.quantize_activation(torch.randn(m, k, device="cuda").to(torch.bfloat16))
+    return [lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps]
 
 
 def sustained(fns, seconds: float) -> dict:
@@ -62,13 +80,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--w4a8", action="store_true", help="ours = the NVFP4 W4A8 GEMM (on W4A8_SHAPES)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for m, n, k in SHAPES:
+    for m, n, k in W4A8_SHAPES if args.w4a8 else SHAPES:
         p = Problem(m, n, k, gen)
-        contenders = {"ours": p.ours_fns(None), "bf16": p.bf16_fns()}
+        contenders = {"ours": w4a8_fns(m, n, k) if args.w4a8 else p.ours_fns(None), "bf16": p.bf16_fns()}
         if (smm := p.scaled_mm_fns()) is not None:
             contenders["scaled_mm"] = smm
         for rnd in range(args.rounds):
