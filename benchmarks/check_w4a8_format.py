@@ -38,7 +38,7 @@ from quantkit.kernels.epilogue import Epilogue  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 from quantkit.nn import QuantLinear  # noqa: E402
-from timing import copies_for, graph_median_us  # noqa: E402  (benchmarks/timing.py)
+from timing import copies_for, graph_median_us, rotated  # noqa: E402  (benchmarks/timing.py)
 
 CHECK_MS = (1, 16, 127, 128, 159, 160, 383, 384, 1024, 4096)
 CHECK_NS = (4096, 6144, 10240)
@@ -130,7 +130,7 @@ def bench(fh, ms=BENCH_MS, w4a8_configs=(), shapes=BENCH_SHAPES) -> list[dict]:
             for name, fn in contenders:
                 row[name] = round(graph_median_us([lambda p=p: fn(p) for p in preps]), 1)
             row["act_quant"] = round(graph_median_us([lambda xc=xc: nw8.quantize_activation(xc)  # launch gap amortized
-                                                      for xc in [x] + [x.clone() for _ in range(copies_for(2 * m * k) - 1)]]), 1)
+                                                      for xc in rotated(x)]), 1)
             row["faster"] = "w4a8" if row["w4a8"] < row["w4a16"] else "w4a16"
             rows.append(row)
             log("BENCH " + json.dumps(row), fh)

@@ -47,7 +47,7 @@ from quantkit.kernels.epilogue import Epilogue, apply_activation, interleave_gat
 from quantkit.kernels.sm90 import nvfp4_gemm as ng  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_gemv as gv  # noqa: E402
 from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
-from timing import copies_for, graph_median_us, interleaved_us, medians  # noqa: E402  (benchmarks/timing.py)
+from timing import copies_for, graph_median_us, interleaved_us, medians, rotated  # noqa: E402  (benchmarks/timing.py)
 
 SHAPES = {  # (N, K) of the projections: qkv, o, gate_up, down
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -326,7 +326,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     contenders["w4a8_gemm"] = ([lambda p=p: nw8.nvfp4_w4a8_quantized(xq, xs, p) for p in preps],
                                                w_bytes)
                     contenders["act_quant"] = ([lambda xc=xc: nw8.quantize_activation(xc)  # copies: launch gap amortized
-                                                for xc in [x] + [x.clone() for _ in range(copies_for(2 * m * k) - 1)]], 0)
+                                                for xc in rotated(x)], 0)
                     if m % 16 == 0:  # cuBLAS FP8 wants M, N, K multiples of 16
                         xr, xrs = fp8.quantize(x, (1, 0))
                         contenders["fp8_mm"] = ([lambda w=w, xr=xr, xrs=xrs: torch._scaled_mm(

@@ -15,6 +15,11 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(16, -(-3 * L2_BYTES // max(nbytes, 1))))
 
 
+def rotated(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and as many clones as :func:`copies_for` its bytes asks, to rotate a timed input over."""
+    return [t] + [t.clone() for _ in range(copies_for(t.numel() * t.element_size()) - 1)]
+
+
 def graph_median_us(fns: list[Callable[[], object]], reps: int = 15, warm_s: float = 0.05) -> float:
     """Median µs per call of ``fns`` (each called once per replay, e.g. one per rotated input copy),
     from ``reps`` CUDA-graph replays timed with events after a warm-up pass on a side stream and
