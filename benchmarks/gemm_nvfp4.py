@@ -256,6 +256,20 @@ def weight_copies(n: int, k: int, *, swiglu: bool = False, bf16: bool = True):
     return qw, preps, bf16s
 
 
+def fp8_weights(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rotating copies of a random row-wise FP8 weight ``[n, k]`` (values, scales) for
+    :func:`fp8_mm_fns`."""
+    return [fp8.quantize(torch.randn(n, k, device="cuda"), (1, 0)) for _ in range(copies_for(n * k))]
+
+
+def fp8_mm_fns(x: torch.Tensor, fp8s) -> list:
+    """FP8 row-wise ``torch._scaled_mm`` of bf16 ``x [M, K]`` (quantized once, M a multiple of 16)
+    on each of ``fp8s``: W4A8's tensor-core work with no weight decode, bf16 out."""
+    xr, xrs = fp8.quantize(x, (1, 0))
+    return [lambda w=w: torch._scaled_mm(xr, w[0].t(), scale_a=xrs, scale_b=w[1].t(), out_dtype=torch.bfloat16)
+            for w in fp8s]
+
+
 def load_quack():
     try:
         from quack.gemm_w4 import gemm_w4a16, prepare_w4_weight
@@ -297,8 +311,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     int4s = [(packed.clone(), sz.clone()) for _ in range(copies_for(int4_bytes))]
                 except Exception:  # noqa: BLE001
                     log(f"tinygemm packing failed: {traceback.format_exc(limit=3)}", fh)
-            fp8s = [fp8.quantize(torch.randn(n, k, device="cuda"), (1, 0)) for _ in range(copies_for(n * k))] \
-                if w4a8_ms else []  # row-wise FP8 weights for _scaled_mm: W4A8's ceiling with no decode
+            fp8s = fp8_weights(n, k) if w4a8_ms else []  # for _scaled_mm: W4A8's ceiling with no decode
             for m in sorted(set(ms) | set(w4a8_ms)):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 io_bytes = 2 * m * k + 2 * m * n
@@ -328,9 +341,7 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                     contenders["act_quant"] = ([lambda xc=xc: nw8.quantize_activation(xc)  # copies: launch gap amortized
                                                 for xc in rotated(x)], 0)
                     if m % 16 == 0:  # cuBLAS FP8 wants M, N, K multiples of 16
-                        xr, xrs = fp8.quantize(x, (1, 0))
-                        contenders["fp8_mm"] = ([lambda w=w, xr=xr, xrs=xrs: torch._scaled_mm(
-                            xr, w[0].t(), scale_a=xrs, scale_b=w[1].t(), out_dtype=torch.bfloat16) for w in fp8s], n * k)
+                        contenders["fp8_mm"] = (fp8_mm_fns(x, fp8s), n * k)
                 timer = watchdog(300 * ROUNDS * len(contenders), f"bench {res['shape']} m={m}")
                 rounds = interleaved_us(  # in turn, so no contender alone gets a cool GPU's clock
                     {cname: fns for cname, (fns, _) in contenders.items()}, rounds=ROUNDS, reps=15,
@@ -375,25 +386,31 @@ def run_variants(shapes, fh, ms=(1, 16)):
 def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
     as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in
-    the other tile order (token tiles or weight row blocks fastest), for W4A8 (GEMM on quantized
-    activations) and W4A16, beside bf16 ``F.linear``: 3 interleaved rounds."""
+    the other tile order (token tiles or weight row blocks fastest) and, with two warpgroups, with
+    each warpgroup's own epilogue (``wg_epilogue``), for W4A8 (GEMM on quantized activations) and
+    W4A16, beside bf16 ``F.linear`` and FP8 ``_scaled_mm``: 3 interleaved rounds."""
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
             _, preps, bf16s = weight_copies(n, k)
+            fp8s = fp8_weights(n, k)
             n_pad = preps[0].row_exp.shape[0]
             for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 xq, xs = nw8.quantize_activation(x)
                 fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
+                if m % 16 == 0:
+                    fns["fp8_mm"] = fp8_mm_fns(x, fp8s)
                 for mode in ("w4a8", "w4a16"):
                     w4a8_mode = mode == "w4a8"
                     new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
                     deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
                     old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
                     cfgs = [new, old]
-                    if new.persistent:  # and the other tile order
+                    if new.persistent:  # and the other tile order, and each warpgroup's own epilogue
                         cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
+                        if new.warpgroups == 2:
+                            cfgs.append(dataclasses.replace(new, wg_epilogue=True))
                     for cfg in cfgs:
                         if w4a8_mode:
                             fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
@@ -403,7 +420,7 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                 row = {"shape": f"{name} {n}x{k}", "m": m, "us": interleaved_us(fns)}
                 rows.append(row)
                 log("PAB " + json.dumps(row), fh)
-            del preps, bf16s
+            del preps, bf16s, fp8s
             torch.cuda.empty_cache()
     return rows
 
