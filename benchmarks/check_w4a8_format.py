@@ -6,7 +6,7 @@ Run (device machine, from the repo root): ``python benchmarks/check_w4a8_format.
    :func:`quantkit.formats.w4a8.quantize_activation` on the CPU, bit for bit (values and scales),
    on inputs spanning 6 decades per row, one all-zero row.
 2. **QuantLinear(format="nvfp4-w4a8")** on the GPU against the same module's CPU reference (FP32
-   output from the same bf16 input values), for M in {1, 16, 127, 128, 159, 160, 383, 384, 1024, 4096}
+   output from the same bf16 input values), for M in {1, 16, 64, 65, 127, 128, 159, 160, 383, 384, 1024, 4096}
    and N' in {4096, 6144, 10240} (K = 4096: both sides of each threshold of the rule), fresh random-normal inputs,
    bias. The kernel the rule picks is also run into a NaN-poisoned buffer: it must be fully
    written and equal QuantLinear's output bit for bit (so QuantLinear ran that kernel).
@@ -40,7 +40,7 @@ from quantkit.kernels.sm90 import nvfp4_w4a8 as nw8  # noqa: E402
 from quantkit.nn import QuantLinear  # noqa: E402
 from timing import copies_for, graph_median_us, rotated  # noqa: E402  (benchmarks/timing.py)
 
-CHECK_MS = (1, 16, 127, 128, 159, 160, 383, 384, 1024, 4096)
+CHECK_MS = (1, 16, 64, 65, 127, 128, 159, 160, 383, 384, 1024, 4096)
 CHECK_NS = (4096, 6144, 10240)
 CHECK_K = 4096
 TOL = {True: 2.0 ** -9, False: 2.0 ** -16}  # t per path (W4A8?)

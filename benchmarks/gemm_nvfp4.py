@@ -386,9 +386,8 @@ def run_variants(shapes, fh, ms=(1, 16)):
 def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
     as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in
-    the other tile order (token tiles or weight row blocks fastest) and, with two warpgroups, with
-    each warpgroup's own epilogue (``wg_epilogue``), for W4A8 (GEMM on quantized activations) and
-    W4A16, beside bf16 ``F.linear`` and FP8 ``_scaled_mm``: 3 interleaved rounds."""
+    the other tile order (token tiles or weight row blocks fastest), for W4A8 (GEMM on quantized
+    activations) and W4A16, beside bf16 ``F.linear`` and FP8 ``_scaled_mm``: 3 interleaved rounds."""
     rows = []
     for name in shapes:
         for n, k in SHAPES[name]:
@@ -407,10 +406,8 @@ def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
                     deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
                     old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
                     cfgs = [new, old]
-                    if new.persistent:  # and the other tile order, and each warpgroup's own epilogue
+                    if new.persistent:  # and the other tile order
                         cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
-                        if new.warpgroups == 2:
-                            cfgs.append(dataclasses.replace(new, wg_epilogue=True))
                     for cfg in cfgs:
                         if w4a8_mode:
                             fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
@@ -562,13 +559,14 @@ def run_gemv_stages_ab(shapes, fh):
     return rows
 
 
-PAD_MS = (33, 47, 65, 100, 129, 200, 300)
+PAD_MS = (33, 47, 65, 80, 96, 100, 104, 112, 129, 200, 300)
 
 
 def run_pad_ab(shapes, fh):
     """W4A16 at token counts whose last tile is partial: the default route (a tile-high copy of x
-    where :func:`ng.tma_rows` says) against the same kernel reading x's own rows, beside bf16;
-    3 interleaved rounds, after a float64 check of the default route."""
+    where :func:`ng.tma_rows` says, else x's own rows) against the same kernel the other way
+    (padded copy included in its time), beside bf16; 3 interleaved rounds, after a float64 check
+    of the default route."""
     from quantkit.kernels.cache import launch_stream
 
     rows = []
@@ -578,19 +576,27 @@ def run_pad_ab(shapes, fh):
             n_pad = preps[0].row_exp.shape[0]
             for m in PAD_MS:
                 cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False)
-                if ng.tma_rows(m, cfg, False) == m:
-                    continue  # no padding: nothing to compare
+                tile_rows = -(-m // cfg.bn) * cfg.bn
+                if tile_rows == m or m <= gv.MAX_M:
+                    continue  # whole tiles, or the GEMV's token counts: nothing to compare
                 unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m)
                 assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                x_pad = torch.zeros(tile_rows, k, dtype=torch.bfloat16, device="cuda")
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                padded = ng.tma_rows(m, cfg, False) > m
 
-                def own_rows(p, x=x, out=out, fn=fn, m=m):
-                    fn(x.data_ptr(), p.tiles.data_ptr(), p.row_exp.data_ptr(), 0, p.tensor_scale.data_ptr(),
-                       out.data_ptr(), 0, 0, 0, 0, m, m, n_pad, n, k, launch_stream(x.device, False))
+                def direct(p, pad, x=x, x_pad=x_pad, out=out, fn=fn, m=m):
+                    if pad:
+                        x_pad[:m] = x
+                    src = x_pad if pad else x
+                    fn(src.data_ptr(), p.tiles.data_ptr(), p.row_exp.data_ptr(), 0, p.tensor_scale.data_ptr(),
+                       out.data_ptr(), 0, 0, 0, 0, m, src.shape[0], n_pad, n, k, launch_stream(x.device, False))
 
-                us = interleaved_us({"padded (default)": [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps],
-                                     "own rows": [lambda p=p: own_rows(p) for p in preps],
+                us = interleaved_us({f"{'padded' if padded else 'own rows'} (default)":
+                                     [lambda p=p, x=x: ng.nvfp4_w4a16(x, p) for p in preps],
+                                     "own rows" if padded else "padded": [lambda p=p, pad=not padded: direct(p, pad)
+                                                                          for p in preps],
                                      "bf16": [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16s]})
                 row = {"shape": f"{name} {n}x{k}", "m": m, "config": str(cfg), "us": us}
                 rows.append(row)

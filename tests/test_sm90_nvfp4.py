@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -369,12 +368,6 @@ def test_persistent_configs_stage_the_output_beside_the_pipeline():
         ng.Config(64, 1, 4, 2, persistent=True).check(epi, w4a8=False)
     with pytest.raises(ValueError, match="tile order: persistent only"):
         ng.Config(128, 2, 5, 1, tokens_fastest=True).check(epi, w4a8=False)
-    # each warpgroup's own epilogue: only where each stages its own rows (persistent, no SwiGLU exchange)
-    ng.Config(256, 2, 4, 1, persistent=True, wg_epilogue=True).check(res, w4a8=True)
-    for cfg, e in ((ng.Config(256, 2, 5, 1, wg_epilogue=True), epi),
-                   (ng.Config(128, 2, 3, 1, persistent=True, wg_epilogue=True), Epilogue(activation="swiglu"))):
-        with pytest.raises(ValueError, match="own epilogue needs a persistent config and no SwiGLU"):
-            cfg.check(e, w4a8=True)
 
 
 def test_cluster_split_configs():
@@ -466,8 +459,6 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 256, 2, 1, Epilogue(bias=True, activation="swiglu")),  # SwiGLU's exchange in the drained stages
     ("w4a8", 256, 1, 1, Epilogue(bias=True), "persistent"),  # W4A8 one-warpgroup grids: persistent,
     ("w4a8", 256, 1, 2, Epilogue(activation="gelu_tanh"), "cluster"),  # or within half a wave K-split
-    ("w4a8", 256, 2, 1, Epilogue(bias=True, activation="silu"), "wg_epilogue"),  # persistent, each warpgroup
-    ("w4a16", 128, 2, 1, Epilogue(residual=True), "wg_epilogue"),  # staging under its own barrier
 ]
 
 
@@ -482,9 +473,9 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         for i, (mode, bn, wg, sp, bias, act, res, variant) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            persistent = variant in ("persistent", "wg_epilogue")
+            persistent = variant == "persistent"
             cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0 and not persistent, batched=bn <= 16, persistent=persistent,
-                            cluster=variant == "cluster", wg_epilogue=variant == "wg_epilogue")
+                            cluster=variant == "cluster")
             ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
         for held in nw8.HELD:
@@ -501,8 +492,7 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
     for i, (mode, bn, wg, splits, epi, *variant) in enumerate(COMPILE_CASES):
         text = ptx(str(i))
-        persistent = variant in (["persistent"], ["wg_epilogue"])
-        cluster, own = variant == ["cluster"], variant == ["wg_epilogue"]
+        persistent, cluster = variant == ["persistent"], variant == ["cluster"]
         assert ".target sm_90a" in text
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
@@ -514,9 +504,6 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert text.count("mapa.shared::cluster") == (splits - 1 if cluster else 0)
         assert ("barrier.cluster.arrive" in text) == cluster
         assert ("griddepcontrol.wait" in text) == (i % 2 == 0 and not persistent)  # PDL variant
-        # the epilogue's barrier: all consumer warpgroups, or (wg_epilogue) one per warpgroup, its id in a register
-        assert (f"bar.sync \t1, {128 * wg};" in text) == (not own)
-        assert bool(re.search(r"bar\.sync \t%r\d+, 128;", text)) == own
         # output through shared memory: 8 bf16 per 16-byte global store, nothing in local memory; staged
         # as FP32 (rounded after the residual add) or, without a residual, as the bf16 outputs
         assert "st.global.v4.b32" in text and "ld.local" not in text
@@ -865,11 +852,6 @@ PERSISTENT_CASES = [  # (mode, config, epilogue): every persistent CTA runs 2-8 
     # W4A8 one-warpgroup 256-token tiles, faster persistent (session 46 tune)
     ("w4a8", ng.Config(256, 1, 5, 1, persistent=True), Epilogue(bias=True)),
     ("w4a8", ng.Config(256, 1, 5, 1, persistent=True, tokens_fastest=True), Epilogue(activation="silu", residual=True)),
-    # each warpgroup's own epilogue (the warpgroups drift apart by up to the pipeline's depth)
-    ("w4a8", ng.Config(256, 2, 5, 1, persistent=True, wg_epilogue=True), Epilogue(activation="silu")),
-    ("w4a8", ng.Config(256, 2, 4, 1, persistent=True, tokens_fastest=True, wg_epilogue=True),
-     Epilogue(bias=True, residual=True)),
-    ("w4a16", ng.Config(128, 2, 4, 1, persistent=True, wg_epilogue=True), Epilogue(bias=True, residual=True)),
 ]
 
 

@@ -249,10 +249,6 @@ class Config:
     # The ``splits`` CTAs of a tile form one thread-block cluster: split 0 adds the others' partials
     # from their shared memory (distributed shared memory) instead of the global split-K turnstile.
     cluster: bool = False
-    # Persistent, no SwiGLU: each warpgroup stages and stores its own rows of the output tile under
-    # a barrier of its own, so one warpgroup's epilogue may overlap the other's next mainloop (the
-    # shared pipeline stages bound how far they drift apart).
-    wg_epilogue: bool = False
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
@@ -260,8 +256,6 @@ class Config:
             raise ValueError(f"unsupported config {self}")
         if (self.persistent and (self.splits > 1 or self.pdl)) or (self.tokens_fastest and not self.persistent):
             raise ValueError(f"{self}: a persistent config has no K-split and no PDL (tile order: persistent only)")
-        if self.wg_epilogue and not (self.persistent and epilogue.activation != "swiglu"):
-            raise ValueError(f"{self}: a warpgroup's own epilogue needs a persistent config and no SwiGLU")
         if self.cluster and not (2 <= self.splits <= 8 and self.stages >= (2 if w4a8 else 1) * self.warpgroups):
             raise ValueError(f"{self}: a cluster split needs 2..8 splits, and its partial tile must fit the "
                              "activation stages it reuses (W4A8: stages >= 2 x warpgroups)")
@@ -952,8 +946,6 @@ def _kernel_class():
             if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_wait()  # the previous grid may still use counters / outputs
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.wgs)
-            if cutlass.const_expr(cfg.wg_epilogue):
-                epi_bar = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=128)
             flag = storage.flag.get_tensor(cute.make_layout(4))
             tid_c = wg * 128 + ct  # thread index among the CTA's consumers
             is_last = Int32(1)
@@ -1057,8 +1049,7 @@ def _kernel_class():
             aligned = n_out % 8 == 0 and out_addr % 16 == 0
             per_pass = cute.size(acc) // passes
             # every warpgroup's mainloop is done (the pipeline memory is free), and in a persistent CTA
-            # every thread has stored the previous tile from the staging memory (wg_epilogue: of this
-            # warpgroup, which alone uses its slice of the staging memory)
+            # every thread has stored the previous tile from the staging memory
             epi_bar.arrive_and_wait()
             for p in cutlass.range_constexpr(passes):
                 if active:
