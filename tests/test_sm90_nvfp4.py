@@ -670,6 +670,10 @@ def test_64_token_tile_stages_and_padded_tma_rows():
     assert one_wg == {129: 256, 200: 256, 300: 384, 600: 600}
     assert ng.tma_rows(33, ng.pick_config(33, 4096, 4096, Epilogue(), False), False) == 33  # K-split grid
     assert ng.tma_rows(80, ng.pick_config(80, 4096, 14336, Epilogue(), False), False) == 128  # 128-token K-splits pad
+    # one-warpgroup 128-token tiles: padded beyond a fifth empty (102 tokens), not only beyond a quarter
+    one_tile = {m: ng.tma_rows(m, ng.pick_config(m, 6144, 4096, Epilogue(), False), False) for m in (96, 102, 103, 112)}
+    assert ng.pick_config(96, 6144, 4096, Epilogue(), False).warpgroups == 1
+    assert one_tile == {96: 128, 102: 128, 103: 103, 112: 112}
     assert ng.tma_rows(33, ng.pick_config(33, 28672, 4096, Epilogue(), True), True) == 33  # W4A8
 
 
@@ -723,7 +727,7 @@ def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 80, 257, 4096])  # 80, 257: W4A16 reads a padded copy of x
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 80, 100, 257, 4096])  # 80, 100, 257: W4A16 reads a padded copy of x
 def test_gpu_matches_float64_reference(mode, m):
     out, ref = _gpu_case(m, 1000, 2048, Epilogue(), seed=m, mode=mode)
     assert torch.isfinite(out).all()

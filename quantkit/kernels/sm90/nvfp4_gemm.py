@@ -1120,18 +1120,21 @@ def _plan(m: int, n_pad: int, k: int, epilogue: Epilogue, w4a8: bool, bias_fp32:
 def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     """Activation rows the kernel's TMA box reads for ``m`` tokens: ``m`` rounded up to whole
     token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128- or
-    256-token tiles, the last over a quarter empty (256 tokens: any part empty), and the grid holds
-    one tile, or up to 4 tiles on one warpgroup or ending in a tile over three quarters empty; else
-    ``m``. Such mostly-out-of-bounds loads run slowly; the padded copy costs 1-2 µs (H100, session
+    256-token tiles, the last over a quarter empty (one-warpgroup 128-token tiles: over a fifth;
+    256 tokens: any part empty), and the grid holds one tile, or up to 4 tiles on one warpgroup or
+    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run slowly; the padded copy costs 1-2 µs (H100, session
     25: 28672x4096 at M = 33 52 µs, through the copy 41 µs; 16/32-token tiles and 64-token K-split
     grids lose the copy's time. H200, session 26: one tile 0.61-0.89x the time from 33-65 tokens;
     M = 129 0.55-0.97x; M = 200 and 300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100,
     session 44, 128-token cluster K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096
     at M = 65 and 200 and 2048x8192 at M = 65. H100, session 45, one-warpgroup 256-token tiles at
-    M = 192, unpadded: 1.27-1.73x the time at M = 129, padded)."""
+    M = 192, unpadded: 1.27-1.73x the time at M = 129, padded. H200, session 49, one-warpgroup
+    128-token tiles on 4096-8192-row weights: padded 0.84-0.98x the time at M = 96 and 100,
+    1.01-1.14x at 104 and 112)."""
     rows = -(-m // config.bn) * config.bn
     empty = rows - m
-    if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or 4 * empty <= config.bn < 256:
+    fraction = 5 if config.bn == 128 and config.warpgroups == 1 else 4  # pad beyond 1 / fraction empty
+    if w4a8 or config.bn < 64 or (config.splits > 1 and config.bn < 128) or fraction * empty <= config.bn < 256:
         return m
     if rows == config.bn or (rows <= 4 * config.bn and (config.warpgroups == 1 or 4 * empty > 3 * config.bn)):
         return rows
