@@ -1122,8 +1122,9 @@ def tma_rows(m: int, config: Config, w4a8: bool) -> int:
     token tiles (the caller pads a copy of x) where W4A16 runs unsplit 64-token or any 128- or
     256-token tiles, the last over a quarter empty (one-warpgroup 128-token tiles: over a fifth;
     256 tokens: any part empty), and the grid holds one tile, or up to 4 tiles on one warpgroup or
-    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run slowly; the padded copy costs 1-2 µs (H100, session
-    25: 28672x4096 at M = 33 52 µs, through the copy 41 µs; 16/32-token tiles and 64-token K-split
+    ending in a tile over three quarters empty; else ``m``. Such mostly-out-of-bounds loads run
+    slowly; the padded copy costs 1-2 µs (H100, session 25: 28672x4096 at M = 33 52 µs, through
+    the copy 41 µs; 16/32-token tiles and 64-token K-split
     grids lose the copy's time. H200, session 26: one tile 0.61-0.89x the time from 33-65 tokens;
     M = 129 0.55-0.97x; M = 200 and 300 one warpgroup 0.79-0.87x, two warpgroups 0.93-1.08x. H100,
     session 44, 128-token cluster K-splits: 0.69-0.87x on 8 of 11 grids, 1.01-1.13x on 1024x4096
