@@ -47,17 +47,18 @@ def layer(k: int, n: int, seed: int = 0) -> torch.nn.Linear:
 
 
 def test_crossover_rule():
-    """W4A8 from M = 65 for N' >= 10240, 160 for N' >= 6144, 384 for N' >= 3072, 2048 for
-    N' >= 2048, else 4096 (the H200 crossover, benchmarks/notes/w4a8_format.md; from 6144 rows
-    re-timed on the H100, benchmarks/NOTES.md sessions 48-49)."""
+    """W4A8 from M = 33 for N' >= 33792, 65 for N' >= 10240, 160 for N' >= 6144, 384 for
+    N' >= 3072, 2048 for N' >= 2048, else 4096 (the H200 crossover, benchmarks/notes/w4a8_format.md;
+    from 6144 rows re-timed on the H100, benchmarks/NOTES.md sessions 48-49)."""
     first_m = {128: 4096, 1024: 4096, 2047: 4096, 2048: 2048, 3071: 2048, 3072: 384, 4096: 384, 6143: 384,
-               6144: 160, 8192: 160, 10239: 160, 10240: 65, 28672: 65, 57344: 65}
+               6144: 160, 8192: 160, 10239: 160, 10240: 65, 28672: 65, 33791: 65, 33792: 33, 57344: 33}
     for n, m_from in first_m.items():
-        for m in (1, 64, 65, 127, 128, 159, 160, 255, 256, 383, 384, 1024, 2047, 2048, 4095, 4096, 8192):
+        for m in (1, 32, 33, 64, 65, 127, 128, 159, 160, 255, 256, 383, 384, 1024, 2047, 2048, 4095, 4096, 8192):
             assert w4a8.use_w4a8(m, n) == (m >= m_from), (m, n)
 
 
-@pytest.mark.parametrize("m,n,w4a8_path", [(64, 10240, False), (65, 10240, True), (159, 6144, False), (160, 6144, True),
+@pytest.mark.parametrize("m,n,w4a8_path", [(32, 33792, False), (33, 33792, True), (64, 10240, False), (65, 10240, True),
+                                           (159, 6144, False), (160, 6144, True),
                                            (383, 3072, False), (384, 3072, True), (4095, 128, False), (4096, 128, True)])
 def test_reference_is_w4a16_below_and_w4a8_above_the_crossover(m, n, w4a8_path):
     k = 64
@@ -169,8 +170,9 @@ def test_cli_quantize_writes_an_nvfp4_w4a8_checkpoint(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1024, 8192, 10240])
-@pytest.mark.parametrize("m", [1, 16, 64, 65, 127, 128, 159, 160, 255, 256, 383, 384, 4096])
+@pytest.mark.parametrize("m,n", [(m, n) for n in (1024, 8192, 10240)
+                                 for m in (1, 16, 64, 65, 127, 128, 159, 160, 255, 256, 383, 384, 4096)]
+                         + [(32, 33792), (33, 33792)])
 def test_gpu_quantlinear_equals_its_cpu_reference(m, n):
     """bf16 output vs the FP32 reference: one bf16 rounding plus the GPU's accumulation order."""
     lin = layer(1024, n, seed=m).to(torch.bfloat16)

@@ -39,16 +39,18 @@ BLOCK = 16
 
 # (N' at least, M from which W4A8 runs): the crossover of W4A8 (incl. its activation quantization,
 # whose cost grows with M·K, not with N') and W4A16, measured on the H200 for N' = 1024..57344
-# (benchmarks/notes/w4a8_format.md) and, for N' >= 6144 at 65-256 tokens, re-timed on the H100
+# (benchmarks/notes/w4a8_format.md) and, for N' >= 6144 at 24-256 tokens, re-timed on the H100
 # since the 256-token W4A8 grids (benchmarks/NOTES.md, sessions 48-49: from 65 tokens, where both
-# kernels run 128-token tiles, W4A8 is faster from 10240 rows); the first row whose N' bound holds applies.
-W4A8_FROM_M = ((10240, 65), (6144, 160), (3072, 384), (2048, 2048), (0, 4096))
+# kernels run 128-token tiles, W4A8 is faster from 10240 rows; from 33 tokens, where both run
+# two-warpgroup 64-token tiles, from 33792 rows, measured on 57344x8192 only); the first row
+# whose N' bound holds applies.
+W4A8_FROM_M = ((33792, 33), (10240, 65), (6144, 160), (3072, 384), (2048, 2048), (0, 4096))
 
 
 def use_w4a8(m: int, n: int) -> bool:
     """Whether ``nvfp4-w4a8`` computes the W4A8 function for ``M = m`` tokens and ``N' = n`` weight
-    rows (else W4A16): from M = 65 when N' >= 10240, 160 when N' >= 6144, 384 when N' >= 3072,
-    2048 when N' >= 2048, else 4096 (:data:`W4A8_FROM_M`)."""
+    rows (else W4A16): from M = 33 when N' >= 33792, 65 when N' >= 10240, 160 when N' >= 6144,
+    384 when N' >= 3072, 2048 when N' >= 2048, else 4096 (:data:`W4A8_FROM_M`)."""
     return m >= next(m_from for n_from, m_from in W4A8_FROM_M if n >= n_from)
 
 
