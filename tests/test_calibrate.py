@@ -140,7 +140,8 @@ class CharTokenizer:
 
 
 def test_embedded_corpus_and_local_files(tmp_path):
-    assert sum(len(t) for t in load_texts(None)) > 200_000
+    embedded = load_texts(None)  # tiny shakespeare, xz-compressed in the package
+    assert sum(len(t) for t in embedded) > 200_000 and embedded[0].startswith("First Citizen:\nBefore we proceed")
     (tmp_path / "a.txt").write_text("first passage\n\nsecond passage\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "json text"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     assert load_texts(tmp_path / "a.txt") == ["first passage", "second passage"]

@@ -2,7 +2,8 @@
 
 A *source* is one of:
 
-- ``None`` / ``"default"``: the embedded corpus shipped in ``quantkit/calibrate/corpus/`` (works offline);
+- ``None`` / ``"default"``: the embedded corpus shipped in ``quantkit/calibrate/corpus/`` (xz-compressed,
+  works offline);
 - a local ``.txt`` (blank-line separated passages), ``.jsonl`` / ``.json`` (a ``text`` field, or chat
   ``messages``), ``.parquet`` file, or a directory of such files;
 - a Hugging Face hub dataset id, optionally ``name:config`` (e.g. ``wikitext:wikitext-2-raw-v1``).
@@ -10,6 +11,7 @@ A *source* is one of:
 from __future__ import annotations
 
 import json
+import lzma
 import random
 from importlib import resources
 from pathlib import Path
@@ -66,9 +68,9 @@ def _from_hub(spec: str, tokenizer) -> list[str]:
 def load_texts(source: str | Path | None = None, tokenizer=None) -> list[str]:
     """The non-empty text passages of ``source`` (see the module docstring for what it may be)."""
     if source in (None, "default"):
-        corpus = resources.files(CORPUS_PACKAGE) / "corpus"
-        return [t for f in sorted(corpus.iterdir(), key=lambda f: f.name) if f.name.endswith(".txt")
-                for t in f.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+        corpus = resources.files(CORPUS_PACKAGE) / "corpus"  # xz-compressed text files
+        return [t for f in sorted(corpus.iterdir(), key=lambda f: f.name) if f.name.endswith(".txt.xz")
+                for t in lzma.decompress(f.read_bytes()).decode("utf-8").split("\n\n") if t.strip()]
     path = Path(source)
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.suffix in LOCAL_SUFFIXES)
