@@ -577,8 +577,8 @@ def run_pad_ab(shapes, fh):
             for m in PAD_MS:
                 cfg, fn = ng._plan(m, n_pad, k, Epilogue(), False, False, torch.device("cuda"), None, False)
                 tile_rows = -(-m // cfg.bn) * cfg.bn
-                if tile_rows == m or m <= gv.MAX_M:
-                    continue  # whole tiles, or the GEMV's token counts: nothing to compare
+                if tile_rows == m:
+                    continue  # whole tiles: nothing to compare
                 unwritten, err, _ = check_case("w4a16", m, n, k, Epilogue(), m)
                 assert unwritten == 0 and err < 4e-3, (n, k, m, unwritten, err)
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
