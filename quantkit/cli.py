@@ -49,7 +49,7 @@ def _summary(report, seconds: float) -> Table:
                       f"{r.bytes_after / 1e6:.2f}" if r.bytes_after else "", r.reason or (r.format if mixed else ""))
     before = sum(r.bytes_before for r in report.quantized)
     after = sum(r.bytes_after for r in report.quantized)
-    table.add_row("[bold]total", "", "", f"{before / 1e6:.1f}", f"{after / 1e6:.1f}", f"{before / max(after, 1):.2f}× smaller")
+    table.add_row("[bold]total (quantized layers)", "", "", f"{before / 1e6:.1f}", f"{after / 1e6:.1f}", f"{before / max(after, 1):.2f}× smaller")
     return table
 
 
