@@ -42,8 +42,8 @@ BLOCK = 16
 # (benchmarks/notes/w4a8_format.md) and, for N' >= 6144 at 24-256 tokens, re-timed on the H100
 # since the 256-token W4A8 grids (benchmarks/NOTES.md, sessions 48-49: from 65 tokens, where both
 # kernels run 128-token tiles, W4A8 is faster from 10240 rows; from 33 tokens, where both run
-# two-warpgroup 64-token tiles, from 33792 rows, measured on 57344x8192 only); the first row
-# whose N' bound holds applies.
+# two-warpgroup 64-token tiles, from 33792 rows: 57344x8192, and in session 50 53248x16384 and
+# 59136x8192); the first row whose N' bound holds applies.
 W4A8_FROM_M = ((33792, 33), (10240, 65), (6144, 160), (3072, 384), (2048, 2048), (0, 4096))
 
 
