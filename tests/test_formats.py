@@ -76,6 +76,20 @@ def test_e8m0_scale_is_floor_log2_minus_emax():
     assert codecs.e8m0_decode(torch.tensor([127, 128, 0], dtype=torch.uint8)).tolist() == [1.0, 2.0, 2.0**-127]
 
 
+def test_e8m0_floor_scale_is_exact_below_powers_of_two():
+    """The OCP floor rule reads ``floor(log2 amax)`` from the exponent: FP32 ``log2`` of the value one
+    ulp below ``2**k`` rounds to ``k``. Against Python's exact ``frexp`` on every power of two and
+    its lower neighbour, plus the limits (Inf gives the largest scale)."""
+    powers = torch.exp2(torch.arange(-126, 128, dtype=torch.float32))
+    amax = torch.cat([powers, torch.nextafter(powers, torch.zeros_like(powers)), torch.tensor([math.inf])])
+    e = codecs.e8m0_from_amax(amax, 6.0, round_up=False)
+    ref = [min(254, max(0, math.frexp(a)[1] - 1 - 2 + 127)) for a in amax[:-1].double().tolist()] + [254]
+    assert e.tolist() == ref
+    w = torch.zeros(1, 32)
+    w[0, :3] = torch.tensor([torch.nextafter(torch.tensor(16.0), torch.tensor(0.0)).item(), 1.0, 0.75])
+    assert get_format("mxfp4").quantize_weight(w).dequantize()[0, :3].tolist() == [12.0, 1.0, 1.0]
+
+
 def test_e8m0_scale_rounded_up_never_clips():
     # 448 maps exactly; one FP32 ulp above 448 needs the next power of two; 0 and 2**-130 give the
     # smallest scale
@@ -112,6 +126,44 @@ def test_nvfp4_dequantize_is_float64_product():
 def test_nvfp4_all_zero_tensor_is_finite_zero():
     qw = get_format("nvfp4").quantize_weight(torch.zeros(4, 32))
     assert torch.equal(qw.dequantize(), torch.zeros(4, 32))
+
+
+def test_nvfp4_tiny_tensor_keeps_a_finite_nonzero_scale():
+    """A tensor amax so small that ``2688 / amax`` overflows is floored at ``2**-116``: the values
+    still quantize (to within the E2M1 grid), not all to zero."""
+    w = torch.zeros(2, 16)
+    w[0, :2] = torch.tensor([1e-36, 5e-37])
+    qw = get_format("nvfp4").quantize_weight(w)
+    assert 0 < qw.tensor_scale.item() < math.inf
+    assert torch.allclose(qw.dequantize()[0, :2].double(), w[0, :2].double(), rtol=0.07)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8", "fp8-dynamic", "fp8-block"])
+def test_non_finite_activations_poison_their_block_never_clip(name):
+    """A NaN activation stays NaN (FP8) or makes its 16-block NaN (NVFP4: E2M1 has no NaN); every
+    other value quantizes as if the NaN were 0 (the amax ignores NaN, as the GPU's ``max.f32``).
+    An Inf makes every value under its scale NaN: never a silent clip to the top value."""
+    act = get_format(name).activation
+    x = torch.randn(4, 256) * 100
+    x[0, 5] = math.nan
+    out = act.qdq(x)
+    zeroed = x.clone()
+    zeroed[0, 5] = 0
+    nan = torch.zeros_like(x, dtype=torch.bool)
+    nan[0, :16] = name == "nvfp4"
+    nan[0, 5] = True
+    assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan], act.qdq(zeroed)[~nan])
+    x[0, 5] = math.inf
+    group = {"nvfp4": x, "fp8": x, "fp8-dynamic": x[0], "fp8-block": x[0, :128]}[name]
+    assert act.qdq(x).isnan().sum() == group.numel()
+
+
+def test_fp8_scale_underflow_is_one_not_nan():
+    """``amax / 448`` underflowing to 0 (amax ~1e-43) gets scale 1, as an all-zero block: no NaN."""
+    w = torch.zeros(1, 128)
+    w[0, 0] = 1e-43
+    qw = get_format("fp8").quantize_weight(w)
+    assert qw.scale.item() == 1.0 and not torch.isnan(qw.dequantize()).any()
 
 
 def test_nvfp4_w4a8_stores_the_nvfp4_w4a16_weight():
@@ -278,6 +330,8 @@ def test_bad_input_errors_name_the_problem():
     w[0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         get_format("mxfp8").quantize_weight(w)
+    with pytest.raises(ValueError, match="needs its tensor_scale"):
+        get_format("nvfp4").quantize_weight(torch.randn(8, 32), scale=torch.ones(8, 2).to(torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)

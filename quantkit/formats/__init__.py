@@ -68,6 +68,8 @@ class Format:
         if scale is None:
             scale, computed_ts = self.weight.compute_scales(w)
             tensor_scale = computed_ts if tensor_scale is None else tensor_scale
+        elif tensor_scale is None and self.weight.storage(*w.shape)[2]:
+            raise ValueError(f"{self.name}: a given block scale needs its tensor_scale too")
         data = self.weight.quantize(w, scale, tensor_scale)
         return QuantizedWeight(self.name, data, scale, tensor_scale, (w.shape[0], w.shape[1]))
 

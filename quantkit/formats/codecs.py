@@ -1,6 +1,8 @@
 """Bit-level codecs: E2M1 (FP4), E4M3 (FP8), E8M0 (power-of-two scales) and nibble packing.
 
-All encoders round to nearest, ties to even, and saturate to the largest finite value.
+All encoders round to nearest, ties to even, and saturate to the largest finite value. They round
+FP32 values: other dtypes are converted to FP32 first (exact for bf16/fp16; float64 input thus
+rounds twice).
 
 - E2M1: 4-bit code ``sign<<3 | index``; magnitudes ``E2M1_GRID[index]`` = 0, .5, 1, 1.5, 2, 3, 4, 6.
   A negative input keeps its sign bit even when it rounds to zero (``-0`` is code 8).
@@ -68,8 +70,10 @@ def e8m0_from_amax(amax: torch.Tensor, elem_max: float, round_up: bool) -> torch
     if round_up:
         descale = (a / torch.full_like(a, elem_max)).double()
         exp = torch.ceil(torch.log2(torch.where(a > 0, descale, torch.ones_like(descale)))) + 127
-    else:
-        exp = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a)))) - math.floor(math.log2(elem_max)) + 127
+    else:  # floor(log2(a)) read from the exponent (FP32 log2 rounds a value just below 2**k up to k)
+        finite = torch.where((a > 0) & (a < math.inf), a, torch.ones_like(a))
+        exp = (torch.frexp(finite).exponent - 1).float() - math.floor(math.log2(elem_max)) + 127
+        exp = torch.where(a == math.inf, torch.full_like(exp, 254), exp)
     exp = torch.where(a > 0, exp, torch.zeros_like(exp)).clamp(0, 254)
     return torch.where(torch.isnan(a), torch.full_like(exp, 255), exp).to(torch.uint8)
 

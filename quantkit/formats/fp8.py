@@ -1,7 +1,14 @@
 """FP8 E4M3 with FP32 scales over rectangular blocks of a 2-D tensor.
 
-One rule for every granularity: a block's scale is ``s = amax/448`` (an all-zero block gets
-``s = 1``), values are ``q = e4m3(x / s)`` (RNE, saturating) and ``x̂ = q · s``.
+One rule for every granularity: a block's scale is ``s = amax/448`` (an all-zero block, or one
+so small that ``amax/448`` underflows to 0, gets ``s = 1``), values are ``q = e4m3(x / s)`` (RNE,
+saturating) and ``x̂ = q · s``.
+
+Non-finite activations (weights reject them: :func:`quantkit.formats.check_weight`) are never
+clipped silently: the amax ignores NaN, as the GPU's ``max.f32`` does, so a NaN stays NaN in its
+place and the rest of its block quantizes as without it (the GEMM output row is NaN either way);
+an Inf makes its block's scale Inf, so the block dequantizes to NaN (``0 · Inf``). Under a static (calibrated) scale an Inf saturates to ±448 like any value out of range, as
+``cvt.rn.satfinite`` does.
 
 Granularities (block = (rows, cols); 0 means the whole dimension):
 
@@ -12,6 +19,8 @@ Scales are FP32 of shape ``[ceil(rows/br), ceil(cols/bc)]`` (a ragged last block
 rows; K must divide by the column block).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,10 +45,11 @@ def block_scales(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = x.shape
     br, bc = _block_dims((rows, cols), block)
     pad = (-rows) % br
-    a = torch.nn.functional.pad(x.float().abs(), (0, 0, 0, pad))
+    a = torch.nn.functional.pad(x.float().abs().nan_to_num(0.0, posinf=math.inf), (0, 0, 0, pad))
     amax = a.reshape((rows + pad) // br, br, cols // bc, bc).amax((1, 3))
     # a true division on every device (CUDA turns a scalar divisor into a reciprocal multiply)
-    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    scale = amax / torch.full_like(amax, E4M3_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

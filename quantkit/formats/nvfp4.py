@@ -19,10 +19,16 @@ Numerics (given the tensor scale, bit-identical to torchao's ``nvfp4_quantize``)
 - dequantized ``x̂ = (e2m1(q) · s_b) · s_g``: the first product is exact, so this is the
   correctly rounded FP32 value of the exact product.
 
-NaN/Inf in weights are rejected by :func:`quantkit.formats.check_weight`; in activations they
-propagate to the block's outputs.
+NaN/Inf in weights are rejected by :func:`quantkit.formats.check_weight`. In activations they are
+never clipped silently. E2M1 has no NaN, so a NaN makes its block's scale NaN and the block
+dequantizes to NaN; a tensor scale computed from the same tensor (no calibrated ``input_scale``)
+ignores NaN, as the GPU's ``max.f32`` does, so the other blocks quantize as without it. An Inf
+there makes the tensor scale degenerate and the whole tensor dequantizes to NaN. Under a
+calibrated tensor scale an Inf saturates to its block's largest value, as out-of-range values do.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,13 +37,17 @@ from quantkit.formats.codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode
 
 BLOCK = 16
 _E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6
+_AMAX_FLOOR = 2.0 ** -116  # tensor amax floor: 2688 / amax stays finite (2688 · 2**116 < 2**128)
 _E2M1_SECOND = 4.0  # the largest E2M1 magnitude below E2M1_MAX: the other block-max target of Four Over Six
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """FP32 per-tensor scale ``1 / (2688 / amax)`` (module docstring); amax 0 is treated as amax 1."""
+    """FP32 per-tensor scale ``1 / (2688 / amax)`` (module docstring); amax 0 is treated as amax 1,
+    amax below ``2**-116`` as ``2**-116`` (else ``2688 / amax`` overflows and the scale is 0); NaN
+    gives NaN."""
     amax = amax.float()
-    return 1.0 / ((E2M1_MAX * E4M3_MAX) / torch.where(amax > 0, amax, torch.ones_like(amax)))
+    amax = torch.where(amax == 0, torch.ones_like(amax), amax).clamp(min=_AMAX_FLOOR)
+    return 1.0 / ((E2M1_MAX * E4M3_MAX) / amax)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +149,10 @@ class NVFP4Activation:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(codes, scale, tensor_scale)`` of ``x [..., K]``: unpacked E2M1 codes uint8 ``[..., K]``,
         E4M3 block scales ``[..., K/16]`` and the FP32 tensor scale (``input_scale`` if given)."""
-        ts = tensor_scale_from_amax(x.float().abs().amax()) if input_scale is None else input_scale.float()
+        if input_scale is None:  # the amax ignores NaN (module docstring)
+            ts = tensor_scale_from_amax(x.float().abs().nan_to_num(0.0, posinf=math.inf).amax())
+        else:
+            ts = input_scale.float()
         codes, scale = quantize_blocks(x, ts, self.four_over_six)
         return codes, scale, ts
 
