@@ -324,6 +324,7 @@ def test_act_quant_compiles_for_sm90a(tmp_path):
     for rms in (False, True):
         ptx = _ptx(tmp_path, f"aq{rms}", lambda opts: aq.compile_act_quant(rms, arch="sm_90a", options=opts))
         assert ".target sm_90a" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert "0fC3E00000" not in ptx  # no max(q, -448) clamp: satfinite saturates and keeps a NaN (max.f32 drops it)
         assert ("rsqrt" in ptx) == rms
         # quotients by the group scale: one reciprocal per group, two FMAs and a copysign each; IEEE
         # divisions only for the 4 unrolled groups' scales (and the mean of squares)
@@ -515,6 +516,7 @@ def test_gemv_compiles_for_sm90a_to_e4m3_mma_sync(tmp_path):
         assert ptx.count("cp.async.ca.shared.global") == cfg.stages
         assert ptx.count("ld.shared.v4.b32") == 16 + 4 * nf
         assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 16 * nf  # 2 per word
+        assert "0fC3E00000" not in ptx  # no max(q, -448) clamp: satfinite saturates and keeps a NaN (max.f32 drops it)
         # no div.rn per element (its slow path takes every zero dividend); the other divisions are
         # the epilogue's activation
         assert len(re.findall(r"div\.rn\.f32\s+%r\d+, %r\d+, 0f43E00000;", ptx)) == nf and ptx.count("div.rn.f32") < 8
@@ -739,6 +741,32 @@ def test_gpu_act_quant_exact_on_extreme_groups():
     ref = gemm_f64(*(t.cuda() for t in fp8_block_quant_f64(tokens.cpu())), wq, ws, Epilogue())
     out = fgv.fp8_block_gemv(tokens, wq, ws)
     assert torch.isfinite(out).all() and _rel(out, ref.to(torch.bfloat16)) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_act_quant_and_gemv_keep_non_finite_activations():
+    """A NaN activation stays NaN (``cvt.rn.satfinite`` keeps it; the group amax ignores it, as the
+    reference's) and the rest of its group matches the reference bit for bit; an Inf poisons its
+    group. Through the fp8 GEMV, the token with a NaN or Inf gives a NaN output row and the other
+    tokens stay within the float64 tolerance: never a silent clip to +-448."""
+    gen = torch.Generator("cuda").manual_seed(11)
+    m, k = 8, 512
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    x[1, 7], x[2, 130], x[3, 300] = math.nan, math.inf, -math.inf
+    q, s = aq.act_quant(x)
+    rq, rs = aq.act_quant_reference(x.cpu())
+    finite = rs.isfinite()
+    assert torch.equal(s.cpu()[finite], rs[finite]) and not finite[[2, 3], [1, 2]].any() and finite.sum() == finite.numel() - 2
+    deq = q.cpu().float() * s.cpu().repeat_interleave(128, 1)
+    ref = rq.float() * rs.repeat_interleave(128, 1)
+    assert torch.equal(deq.isnan(), ref.isnan()) and deq[1, 7].isnan() and deq[2, 128:256].isnan().all()
+    assert torch.equal(deq[~deq.isnan()], ref[~ref.isnan()])
+    wq, ws = fp8.quantize(torch.randn(256, k, generator=gen, device="cuda") * 0.05, (128, 128))
+    out = fgv.fp8_block_gemv(x, wq, ws).cpu()
+    assert out[1:4].isnan().all()
+    clean = x[[0, 4, 5, 6, 7]]
+    ref_out = gemm_f64(*(t.cuda() for t in fp8_block_quant_f64(clean.cpu())), wq, ws, Epilogue())
+    assert _rel(out[[0, 4, 5, 6, 7]].cuda(), ref_out.to(torch.bfloat16)) < 1e-3
 
 
 @pytest.mark.gpu
