@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -88,8 +89,10 @@ def quantize(
     from quantkit.calibrate.data import load_texts, token_samples
     from quantkit.calibrate.distributed import init_from_env, is_main
     from quantkit.export import FLAVOURS, save
+    from quantkit.export.io import check_output_dir
     from quantkit.formats import get_format
     from quantkit.models import load_model
+    from quantkit.nn import QuantLinear
 
     check_device(device)
     start = time.time()
@@ -103,6 +106,7 @@ def quantize(
             get_format(fallback)  # an unknown fallback format fails now
         if export not in FLAVOURS:
             raise ValueError(f"unknown export flavour {export!r}; valid: {', '.join(FLAVOURS)}")
+        check_output_dir(out)  # an --out that save would refuse fails now, not after calibration
         if export == "modelopt":
             from quantkit.export.modelopt import tensor_specs
 
@@ -111,6 +115,8 @@ def quantize(
         with _progress(writer) as bars:
             task = bars.add_task(f"loading {model}", total=None)
             lm, tokenizer = load_model(model, device="cpu")
+            if any(isinstance(m, QuantLinear) for m in lm.modules()):
+                raise ValueError(f"{model} is already a quantized checkpoint: quantize its unquantized source model")
             source_bytes = next(lm.parameters()).element_size()
             on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
             if not on_gpu:
@@ -148,6 +154,10 @@ def quantize(
         raise
     except (ValueError, RuntimeError, OSError) as err:
         fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): save() has removed its partial directory
+        console.print(f"[bold red]interrupted:[/] {out} was not written" + (" (the previous checkpoint there is kept)"
+                      if out.exists() else ""), highlight=False)
+        raise typer.Exit(130) from None
     finally:
         if parallel:
             dist.destroy_process_group()
@@ -158,15 +168,24 @@ def quantize(
 
 
 @app.command()
-def inspect(path: Annotated[Path, typer.Argument(help="A checkpoint directory written by quantkit (or llm-compressor / ModelOpt).")]) -> None:
-    """Print what a checkpoint holds: format, flavour, layers, tensor bytes.
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A checkpoint directory written by quantkit (or llm-compressor / ModelOpt).")],
+    check: Annotated[bool, typer.Option("--check", help="Also load every tensor (quantkit.load, on the CPU): names, shapes, dtypes and scales against the config.")] = False,
+) -> None:
+    """Print what a checkpoint holds: format, flavour, layers, tensor bytes (from the config and
+    the safetensors headers; --check also loads it).
 
-    Example: quantkit inspect /tmp/q
+    Example: quantkit inspect /tmp/q --check
     """
-    from quantkit.export import describe
+    from quantkit.export import describe, load
+    from quantkit.nn import QuantLinear
 
     try:
         info = describe(path)
+        if check:
+            with console.status(f"loading {path}"):
+                model = load(path)
+            info["check"] = f"loads: {sum(isinstance(m, QuantLinear) for m in model.modules())} QuantLinear layers"
     except (ValueError, OSError) as err:
         fail(str(err))
     table = Table(title=str(path))
@@ -189,7 +208,12 @@ def _register_eval_commands() -> None:
 _register_eval_commands()
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds as Ctrl-C does: a checkpoint being written is removed
+
+
 def main() -> None:  # pragma: no cover - console entry point
+    signal.signal(signal.SIGTERM, _terminated)
     sys.exit(app())
 
 

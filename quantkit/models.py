@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 DEMO = "demo"
 DEMO_NAME = "Gemma-3-270M (dequantized from Q4_K_M GGUF)"
@@ -56,18 +57,23 @@ def is_quantkit_checkpoint(path: Path) -> bool:
 
 def _from_pretrained(source: str, dtype: torch.dtype):
     """``AutoModelForCausalLM.from_pretrained``, or ``AutoModelForImageTextToText`` for the multimodal
-    models the former does not map (LLaVA, Qwen-VL; it does map Gemma 3's)."""
+    models the former does not map (LLaVA, Qwen-VL; it does map Gemma 3's). A checkpoint lacking
+    weights of the model raises :class:`ModelLoadError` (transformers would initialize them at random)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True)
     except ValueError as err:
         if "Unrecognized configuration class" not in str(err):
             raise
         try:
-            return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype)
+            model, info = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, output_loading_info=True)
         except ValueError:
             raise err from None  # neither: the causal-LM error names what is supported
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise ModelLoadError(f"cannot load model {source!r}: its checkpoint lacks {len(missing)} weight(s) "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would be random")
+    return model
 
 
 def load_model(source: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
@@ -87,6 +93,9 @@ def load_model(source: str, *, device: str = "cpu", dtype: torch.dtype = torch.b
             raise ModelLoadError(f"model directory {source} does not exist")
         try:
             model = _from_pretrained(str(path) if path.exists() else source, dtype).to(device)
+        except SafetensorError as err:
+            raise ModelLoadError(f"cannot load model {source!r}: a weight file is not valid safetensors "
+                                 f"({str(err).splitlines()[0]})") from None
         except OSError as err:
             raise ModelLoadError(f"cannot load model {source!r}: not a local directory, and the hub gave: "
                                  f"{str(err).splitlines()[0]}") from None

@@ -17,8 +17,8 @@ def fail(message: str) -> NoReturn:
 
 
 def check_device(device: str | None) -> None:
-    """End the command with a clear error if ``--device`` names no device torch knows, or CUDA
-    where torch sees no GPU."""
+    """End the command with a clear error if ``--device`` names no device torch knows, one quantkit
+    does not run on (it runs on ``cpu`` and ``cuda[:N]``), or CUDA where torch sees no GPU."""
     if device is None:
         return
     import torch
@@ -27,6 +27,8 @@ def check_device(device: str | None) -> None:
         kind = torch.device(device).type
     except RuntimeError as error:
         fail(f"--device {device}: {error}")
+    if kind not in ("cpu", "cuda"):
+        fail(f"--device {device}: quantkit runs on cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
         fail(f"--device {device}: torch {torch.__version__} sees no CUDA GPU")
 

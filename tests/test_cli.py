@@ -146,6 +146,8 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, monkeypatch, comma
     assert not (tmp_path / "out").exists()
     res = run(*command, "--device", "tpu", "--out", tmp_path / "out")
     assert res.exit_code == 2 and "--device tpu: Expected one of cpu, cuda" in " ".join(res.output.split())
+    res = run(*command, "--device", "meta", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "--device meta: quantkit runs on cpu or cuda" in " ".join(res.output.split())
 
 
 def test_options_reach_the_algorithms(model_dir, tmp_path):
@@ -196,3 +198,111 @@ def test_torchrun_data_parallel_writes_the_same_checkpoint(model_dir, tmp_path):
     weights = [f for f in one if f.endswith((".safetensors", ".json")) and not f.startswith("tokenizer")]
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "one", tmp_path / "two", weights, shallow=False)
     assert "model.safetensors" in match and not mismatch and not errors  # tokenizer metadata may differ
+
+
+def _copy_model(model_dir, tmp_path, edit=None):
+    """A copy of the tiny bf16 model whose weights ``edit(tensors)`` changes (or whose file it breaks)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "src"
+    shutil.copytree(model_dir, path)
+    if edit is not None:
+        tensors = load_file(path / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_an_output_save_would_refuse_fails_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    import quantkit.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(quantkit.models, "load_model", no_load)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"quantization_config": {}}')
+    (ck / "README.md").write_text("mine")
+    for out, message in ((tmp_path / "notes", "is not a quantized checkpoint directory"),
+                         (model_dir, "is not a quantized checkpoint directory"),
+                         (tmp_path / "afile", "is a file, not a checkpoint directory"),
+                         (tmp_path / "afile" / "q", "afile is a file, not a directory"),
+                         (ck, "holds files besides a checkpoint (README.md)")):
+        res = run("quantize", model_dir, "--out", out)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), (out, res.output)
+    assert (tmp_path / "notes" / "a.txt").read_text() == "mine" and (ck / "README.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.mlp.down_proj.weight"),
+     "its checkpoint lacks 1 weight(s) (model.layers.1.mlp.down_proj.weight), which would be random"),
+    (lambda t: t["model.layers.0.input_layernorm.weight"].__setitem__(3, float("nan")),
+     "the model's weights contain NaN or Inf: model.layers.0.input_layernorm.weight (1 values)"),
+    (lambda t: t["model.embed_tokens.weight"].__setitem__((5, 2), float("inf")),
+     "the model's weights contain NaN or Inf: model.embed_tokens.weight (1 values)"),
+    ("truncate", "a weight file is not valid safetensors"),
+])
+def test_a_broken_source_model_is_refused(model_dir, tmp_path, edit, message):
+    src = _copy_model(model_dir, tmp_path, None if edit == "truncate" else edit)
+    if edit == "truncate":
+        data = (src / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "q"
+    for fmt in ("fp8-dynamic", "nvfp4"):  # round to nearest, and calibrated
+        res = run("quantize", src, "--out", out, "--format", fmt, "--samples", 2, "--seq-len", 16)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+        assert not out.exists()
+
+
+def test_eval_and_bench_of_a_corrupt_checkpoint_are_clear_errors(model_dir, tmp_path):
+    ck = tmp_path / "ck"
+    assert run("quantize", model_dir, "--out", ck, "--format", "fp8-dynamic").exit_code == 0
+    res = run("quantize", ck, "--out", tmp_path / "again", "--format", "fp8-dynamic")
+    assert res.exit_code == 2 and "is already a quantized checkpoint" in " ".join(res.output.split())
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[:-100])
+    for args in (["eval", ck, "--tasks", "wikitext2_ppl"],
+                 ["bench", ck, "--prefill", "1x8", "--decode-batches", "1", "--gemm-m", "1"]):
+        res = run(*args, "--device", "cpu", "--out", tmp_path / "out")
+        assert res.exit_code == 2 and "model.safetensors: not a valid safetensors file" in " ".join(res.output.split())
+
+
+def test_eval_names_an_unknown_task_before_loading_anything(model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    import quantkit.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the tasks were checked")
+
+    monkeypatch.setattr(quantkit.models, "load_model", no_load)
+    res = run("eval", model_dir, "--tasks", "lambada_openai,nosuchtask", "--device", "cpu", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "unknown task(s) nosuchtask" in " ".join(res.output.split())
+
+
+def test_interrupt_or_sigterm_removes_the_partial_checkpoint(model_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import quantkit.calibrate.pipeline as pipeline
+    from quantkit import cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "quantize_model", interrupted)
+    out = tmp_path / "q"
+    res = run("quantize", model_dir, "--out", out, "--samples", 2, "--seq-len", 16)
+    assert res.exit_code == 130 and f"interrupted: {out} was not written" in " ".join(res.output.split())
+    assert not out.exists() and not any(tmp_path.iterdir())
+    previous = signal.signal(signal.SIGTERM, cli._terminated)  # what main() installs: SIGTERM unwinds as Ctrl-C
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

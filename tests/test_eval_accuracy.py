@@ -50,6 +50,20 @@ def test_lambada_offline_equals_fp64_reference(model, tok, data_dir):
     assert got["acc"].stderr is not None
 
 
+def test_log_probabilities_of_a_bf16_model_are_summed_in_fp32(tok, data_dir):
+    """lm-eval's log-softmax runs in FP32, not the model's bf16 (whose ~0.4 % steps move a document's
+    log-likelihood by whole nats): against the FP64 log-softmax of the same bf16 logits."""
+    model = tiny_llama(len(tok)).to(torch.bfloat16)
+
+    def own_logits(model, ids):  # the bf16 forward lm-eval runs: the passage without its last token
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=torch.tensor([ids[:-1]])).logits[0].double(), dim=-1)
+
+    scores = accuracy.evaluate_tasks(model, tok, ["lambada_openai"], name="tiny", data_dir=data_dir, batch_size=1)
+    _, ppl = lambada_reference(model, tok, LAMBADA_TEXTS, logprobs=own_logits)
+    assert scores.metrics["lambada_openai"]["perplexity"].value == pytest.approx(ppl, rel=1e-5)
+
+
 def rolling_loglikelihood(model, tok, text, max_length):
     """FP64 log-likelihood of ``text`` as lm-eval's rolling windows score it: ``[EOS] + tokens``,
     the tokens predicted in consecutive chunks of ``max_length``, each chunk from the (at most)

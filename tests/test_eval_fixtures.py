@@ -92,14 +92,15 @@ def token_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         model.to(torch.float32)
 
 
-def lambada_reference(model, tok, texts):
-    """acc and perplexity of the LAMBADA last-word task, from FP64 log-probs of the whole passage."""
+def lambada_reference(model, tok, texts, logprobs=token_logprobs):
+    """acc and perplexity of the LAMBADA last-word task, from FP64 log-probs of the whole passage
+    (``logprobs(model, ids)``: rows predicting ``ids[1:]``)."""
     lls, greedy = [], []
     for text in texts:
         context, word = text.rsplit(" ", 1)
         whole = tok.encode(f"{context} {word}")
         n_context = len(tok.encode(context))
-        lp = token_logprobs(model, whole)
+        lp = logprobs(model, whole)
         rows = range(n_context - 1, len(whole) - 1)
         lls.append(sum(lp[r, whole[r + 1]].item() for r in rows))
         greedy.append(all(lp[r].argmax().item() == whole[r + 1] for r in rows))

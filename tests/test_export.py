@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from quantkit.export import CheckpointError, describe, load, save
 from quantkit.export import checkpoint as checkpoint_module
 from quantkit.export import compressed_tensors as ct
+from quantkit.export.io import check_output_dir
 from quantkit.export.layout import reciprocal
 from quantkit.formats import FORMAT_NAMES, QuantizedWeight, get_format
 from quantkit.formats.nvfp4 import block_scales, tensor_scale_from_amax
@@ -384,6 +385,8 @@ BAD_CHECKPOINTS = {
     "fake-quant storage": (lambda d: _edit_config(d, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="dense")),
                            "stored as 'dense' cannot be read", True),
     "no directory": (shutil.rmtree, "checkpoint directory not found", True),
+    "NaN block scale": (lambda d: _rewrite(d, lambda t: t[f"{LAYER}.weight_scale"].view(torch.uint8)[3, 5].fill_(0x7F)),
+                        f"'{LAYER}.weight_scale' holds NaN or Inf scales", False),
 }
 
 
@@ -461,6 +464,25 @@ def test_save_refuses_to_replace_a_directory_that_is_no_quantized_checkpoint(tmp
             save(quantized("fp8")[0], directory)
         assert sorted(p.name for p in directory.iterdir()) == before
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_save_never_deletes_files_besides_the_checkpoint_it_replaces(tmp_path):
+    """A quantized checkpoint with a file of the user's beside it is refused before any work
+    (``check_output_dir``), one the new checkpoint would not write at the rename; a path below a
+    file is refused; the directory and its files stay as they were."""
+    old = saved("fp8", "compressed-tensors", tmp_path)
+    (old / "NOTES.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds files besides a checkpoint \(NOTES.txt\)"):
+        check_output_dir(old)
+    (old / "NOTES.txt").unlink()
+    (old / "recipe.json").write_text("{}")  # a checkpoint-like name the new save does not write
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    with pytest.raises(FileExistsError, match=r"holds files the new checkpoint does not write \(recipe.json\)"):
+        save(quantized("mxfp8")[0], old)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before and [p.name for p in tmp_path.iterdir()] == [old.name]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileExistsError, match="afile is a file, not a directory"):
+        save(quantized("fp8")[0], tmp_path / "afile" / "ck")
 
 
 def test_save_rejects_unquantized_models_and_unknown_flavours(tmp_path):

@@ -105,6 +105,11 @@ def test_bad_shapes_are_clear_errors():
         QuantLinear(40, 8, format="nvfp4")
     with pytest.raises(ValueError, match="takes no calibrated input scale"):
         QuantLinear(64, 8, format="nvfp4-w4a16", static_input=True)
+    linear = torch.nn.Linear(64, 8)
+    with torch.no_grad():
+        linear.bias[2] = float("inf")
+    with pytest.raises(ValueError, match="nvfp4: the bias contains NaN or Inf"):
+        QuantLinear.from_linear(linear, "nvfp4")
 
 
 def test_quantlinear_under_torch_compile():

@@ -44,7 +44,7 @@ from quantkit.calibrate.recipe import Recipe
 from quantkit.formats import get_format
 from quantkit.nn.experts import calibrating_all_experts, linearize_experts, shared_input_groups
 from quantkit.nn.kv_cache import attention_modules, enable_kv_cache, observe, scales_from_amax
-from quantkit.nn.swap import (LayerResult, QuantizationReport, assign_formats, fused_groups, plan_layers,
+from quantkit.nn.swap import (LayerResult, QuantizationReport, assign_formats, check_finite, fused_groups, plan_layers,
                               quantize_model, shared_weight_amax)
 
 
@@ -188,6 +188,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     if calib_data is None:
         raise CalibrationError(f"recipe {recipe.format} with {'+'.join(a.name for a in algos)} needs calibration data")
     _check_token_ids(model, calib_data)
+    check_finite(model)
     device = torch.device(device) if device else rank_device()
     linearize_experts(model)
     prefix, layers = find_decoder_layers(model)

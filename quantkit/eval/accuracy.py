@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from quantkit.eval.perplexity import PERPLEXITY_TASK, perplexity_scores
 from quantkit.eval.scores import Metric, TaskScores
-from quantkit.eval.tasks import task_specs
+from quantkit.eval.tasks import OFFLINE_TASKS, task_specs
 
 
 @register_model("quantkit")
@@ -54,6 +54,7 @@ class QuantkitLM(HFLM):
             import quantkit
 
             quantkit.quantize_model(pretrained, format=format)
+        kwargs.setdefault("softmax_dtype", torch.float32)  # as evaluate_tasks
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, **kwargs)
 
 
@@ -61,6 +62,14 @@ def _task_manager(specs: Sequence[str | dict]) -> TaskManager:
     """A task manager; indexing lm-eval's whole task tree takes seconds, so it is skipped when
     every spec is already a full config."""
     return TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs))
+
+
+def unknown_tasks(tasks: Sequence[str]) -> list[str]:
+    """The names in ``tasks`` that are neither lm-eval tasks, groups or tags nor YAML files (the
+    offline tasks are known without indexing lm-eval's task tree, which takes seconds)."""
+    rest = [t for t in tasks if t not in OFFLINE_TASKS and t != PERPLEXITY_TASK and not Path(t).is_file()]
+    known = set(TaskManager().all_tasks) if rest else set()
+    return [t for t in rest if t not in known]
 
 
 def _parse_results(out: dict, task: str) -> dict[str, Metric]:
@@ -104,7 +113,9 @@ def evaluate_tasks(
     samples: dict[str, int] = {}
     harness_tasks = [task for task in tasks if task != PERPLEXITY_TASK]
     if harness_tasks:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        # log-probabilities in FP32: in the model's bf16 a document's sum loses whole nats
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                  softmax_dtype=torch.float32)
     for task in harness_tasks:
         specs = task_specs([task], data_dir)
         out = lm_eval.simple_evaluate(

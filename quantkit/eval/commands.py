@@ -70,11 +70,12 @@ def _launch_warning(device: str) -> str | None:
 
 def _load_model(source: str, device: str) -> tuple[Any, Any]:
     """``quantkit.models.load_model``; a model that cannot be loaded ends the command with its reason."""
+    from quantkit.export import CheckpointError
     from quantkit.models import ModelLoadError, load_model
 
     try:
         return load_model(source, device=device)
-    except ModelLoadError as error:
+    except (ModelLoadError, CheckpointError) as error:
         fail(str(error))
 
 
@@ -166,6 +167,10 @@ def eval_command(
     if check_kernels:
         from quantkit.eval.kernel_check import check_batches, check_kernels as run_check
 
+        if not device.startswith("cuda"):
+            console.print("note: off CUDA, QuantLinear runs the reference path both times (no GPU kernel), so the "
+                          "error is 0 by construction", highlight=False)
+
         checks = []
         for name, load in candidates:
             with console.status(f"kernel check: {name}"):
@@ -185,7 +190,11 @@ def eval_command(
         fail(f"tasks {', '.join(harness_tasks)} need lm-eval: pip install 'quantkit[eval]' "
               f"({PERPLEXITY_TASK} runs without it)")
     if harness_tasks:
-        from quantkit.eval.accuracy import evaluate_tasks
+        from quantkit.eval.accuracy import evaluate_tasks, unknown_tasks
+
+        if unknown := unknown_tasks(harness_tasks):
+            fail(f"unknown task(s) {', '.join(unknown)}: not lm-eval task, group or tag names "
+                 f"(lm-eval --tasks list), nor {PERPLEXITY_TASK}")
     base_source = baseline or (target if fmts else None)
     base_name = "bf16" if base_source == target else base_source
 

@@ -330,7 +330,9 @@ def describe(path: str | os.PathLike) -> dict:
     (``"fp8"`` or ``None``), ``quantized_layers``,
     ``ignored_layers`` (entries of the ignore list), ``files``, ``tensors``, ``tensor_bytes`` and
     ``bytes_by_dtype`` (safetensors dtype names, e.g. ``{"U8": ..., "F8_E4M3": ..., "BF16": ...}``).
-    Raises :class:`CheckpointError` like :func:`load`."""
+    Raises :class:`CheckpointError` for a missing directory, an unreadable config or quantization
+    config, or a corrupt safetensors header. Tensors are not checked against the config (missing,
+    extra or misshapen ones): :func:`load` does that (``quantkit inspect --check``)."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory not found")

@@ -38,14 +38,11 @@ def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     Every file written into it gets the permissions a new file gets under the process umask
     (safetensors writes its files owner-only, which would hide the weights from, say, a vLLM server
     run as another user) and is fsynced before the rename. An existing ``out_dir`` is replaced
-    only if it is empty or holds a quantized checkpoint (``quantization_config`` in its
-    ``config.json``); anything else (say, the bf16 model being quantized) raises
-    ``FileExistsError`` rather than deleting it. On an exception the temporary directory is
-    removed and ``out_dir`` is left as it was.
+    only where :func:`check_output_dir` allows it and the new checkpoint writes every file it
+    holds: nothing but the previous checkpoint is ever deleted. On an exception the temporary
+    directory is removed and ``out_dir`` is left as it was.
     """
-    out = Path(out_dir).absolute()
-    if out.exists() and not _replaceable(out):
-        raise FileExistsError(f"{out} exists and is not a quantized checkpoint directory; refusing to replace it")
+    out = check_output_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -57,21 +54,48 @@ def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
                 path.chmod(mode)
                 _fsync(path)
         _fsync(tmp)
+        if out.exists() and (extra := sorted({p.name for p in out.iterdir()} - {p.name for p in tmp.iterdir()})):
+            raise FileExistsError(f"{out} holds files the new checkpoint does not write ({', '.join(extra[:5])}); "
+                                  "refusing to replace it: move them away or choose another output directory")
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _replaceable(out: Path) -> bool:
+_CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.model", "*.jinja", "merges.txt", "vocab.txt")  # what a save writes
+
+
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """The absolute path of ``out_dir`` if a checkpoint may be written there, else ``FileExistsError``
+    naming why: it may be absent, an empty directory, or a quantized checkpoint (``quantization_config``
+    in its ``config.json``) holding only checkpoint files (config, safetensors, tokenizer), which
+    the new one replaces. Anything else (a file, the bf16 model being quantized, a folder with
+    notes in it) is refused, as is a path below a file. Cheap: call it before the work."""
+    out = Path(out_dir).absolute()
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FileExistsError(f"cannot write {out}: {parent} is a file, not a directory")
+            break
+    if not out.exists():
+        return out
     if not out.is_dir():
-        return False
-    if not any(out.iterdir()):
-        return True
+        raise FileExistsError(f"{out} exists and is a file, not a checkpoint directory; refusing to replace it")
+    entries = list(out.iterdir())
+    if not entries:
+        return out
     try:
-        return "quantization_config" in read_json(out / CONFIG)
+        quantized = "quantization_config" in read_json(out / CONFIG)
     except CheckpointError:
-        return False
+        quantized = False
+    if not quantized:
+        raise FileExistsError(f"{out} exists and is not a quantized checkpoint directory; refusing to replace it")
+    other = sorted(p.name for p in entries if p.is_dir() or not any(p.match(g) for g in _CHECKPOINT_FILES))
+    if other:
+        raise FileExistsError(f"{out} holds files besides a checkpoint ({', '.join(other[:5])}); refusing to "
+                              "replace it: move them away or choose another output directory")
+    return out
 
 
 def _umask() -> int:

@@ -124,11 +124,13 @@ def import_layer(tensors: CheckpointTensors, prefix: str, specs: tuple[TensorSpe
                  n: int, k: int) -> dict[str, torch.Tensor]:
     """QuantLinear buffers (by ``field``) of the ``[n, k]`` layer whose tensors are ``prefix + spec.name``.
 
-    Dtypes and shapes are checked against ``specs``; a mismatch or a missing tensor raises
-    :class:`CheckpointError` naming the file and tensor."""
+    Dtypes and shapes are checked against ``specs``; a mismatch, a missing tensor or a NaN/Inf scale
+    (E8M0 255 included) raises :class:`CheckpointError` naming the file and tensor."""
     out = {}
     for spec in specs:
         t = tensors.take(prefix + spec.name, (spec.dtype, *spec.accept), spec.shape(n, k)).to(spec.dtype)
+        if spec.field != "weight" and not spec.reciprocal and ((t == 255).any() if t.dtype == torch.uint8 else not torch.isfinite(t.float()).all()):
+            raise CheckpointError(f"{tensors.directory}: tensor {prefix + spec.name!r} holds NaN or Inf scales")
         if spec.reciprocal:
             if not torch.isfinite(t).all() or (t == 0).any():
                 raise CheckpointError(f"{tensors.directory}: tensor {prefix + spec.name!r} must be finite "

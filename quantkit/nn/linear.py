@@ -58,6 +58,8 @@ class QuantLinear(nn.Module):
         """Quantize ``linear`` (round to nearest unless ``qweight`` is given, e.g. from calibration)."""
         fmt = get_format(format)
         w = linear.weight.detach()
+        if linear.bias is not None and not torch.isfinite(linear.bias).all():
+            raise ValueError(f"{fmt.name}: the bias contains NaN or Inf")
         qweight = qweight or fmt.quantize_weight(w.float())
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, format=fmt,
                      static_input=input_scale is not None, dtype=w.dtype, device=w.device)

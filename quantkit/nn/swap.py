@@ -202,6 +202,15 @@ def rtn_quantize(layers: Mapping[str, nn.Linear], formats: Mapping[str, str]) ->
     return out
 
 
+def check_finite(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the parameters of ``model`` that hold NaN or Inf (a norm or an
+    embedding row as much as a Linear weight: each poisons every output it reaches)."""
+    bad = [f"{name} ({int((~torch.isfinite(p)).sum())} values)" for name, p in model.named_parameters()
+           if p.is_floating_point() and not p.is_meta and not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"the model's weights contain NaN or Inf: {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}")
+
+
 def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str] | None = None, *,
                    layer_formats: Mapping[str, str] | None = None,
                    qweights: Mapping[str, QuantizedWeight] | None = None,
@@ -215,9 +224,11 @@ def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str
     are fused experts of a layout that cannot be split. ``layer_formats`` maps patterns to formats
     for the layers they match (first match wins, see :func:`assign_formats`); the rest get ``format``.
     ``qweights`` / ``input_scales`` (by module name) come from calibration; missing weights are
-    quantized round-to-nearest. Returns a :class:`QuantizationReport`.
+    quantized round-to-nearest. A model with NaN or Inf in any parameter is refused
+    (:func:`check_finite`). Returns a :class:`QuantizationReport`.
     """
     get_format(format)
+    check_finite(model)
     linearize_experts(model)
     layers, skipped = plan_layers(model, format, ignore, layer_formats)
     formats = assign_formats(layers, format, layer_formats)
