@@ -306,3 +306,20 @@ def test_interrupt_or_sigterm_removes_the_partial_checkpoint(model_dir, tmp_path
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_inspect_check_loads_every_tensor(model_dir, tmp_path):
+    """``inspect`` reads the config and headers only; ``--check`` loads the checkpoint, so a tensor
+    missing from it is an error there."""
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    assert run("quantize", model_dir, "--out", ck, "--format", "fp8-dynamic").exit_code == 0
+    res = run("inspect", ck, "--check")
+    assert res.exit_code == 0 and "loads: 14 QuantLinear layers" in res.output
+    tensors = load_file(ck / "model.safetensors")
+    tensors.pop("model.layers.0.self_attn.q_proj.weight_scale")
+    save_file(tensors, ck / "model.safetensors", metadata={"format": "pt"})
+    assert run("inspect", ck).exit_code == 0
+    res = run("inspect", ck, "--check")
+    assert res.exit_code == 2 and "'model.layers.0.self_attn.q_proj.weight_scale' is missing" in " ".join(res.output.split())
