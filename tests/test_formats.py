@@ -330,6 +330,13 @@ def test_bad_input_errors_name_the_problem():
     w[0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         get_format("mxfp8").quantize_weight(w)
+    w = torch.randn(8, 128)
+    w[0, 0] = 3.3e38  # finite, but NVFP4 / MX scales overflow there
+    for name in ("nvfp4", "mxfp8", "mxfp4", "fp8"):
+        with pytest.raises(ValueError, match="at or above 2\\*\\*127"):
+            get_format(name).quantize_weight(w)
+    w[0, 0] = 2.0**126  # below the limit every format dequantizes finitely
+    assert all(torch.isfinite(get_format(name).quantize_weight(w).dequantize()).all() for name in FORMAT_NAMES)
     with pytest.raises(ValueError, match="needs its tensor_scale"):
         get_format("nvfp4").quantize_weight(torch.randn(8, 32), scale=torch.ones(8, 2).to(torch.float8_e4m3fn))
 

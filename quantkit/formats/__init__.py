@@ -101,6 +101,9 @@ def get_format(name: str | Format) -> Format:
         raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}") from None
 
 
+WEIGHT_LIMIT = 2.0**127  # weights at or above this magnitude are refused (check_weight)
+
+
 def check_weight(w: torch.Tensor, fmt: Format) -> None:
     """Raise ``ValueError`` naming the problem if ``w`` cannot be quantized to ``fmt``."""
     if w.dim() != 2:
@@ -111,6 +114,9 @@ def check_weight(w: torch.Tensor, fmt: Format) -> None:
         raise ValueError(f"{fmt.name}: K={w.shape[1]} is not divisible by the block size {fmt.k_multiple}")
     if not torch.isfinite(w).all():
         raise ValueError(f"{fmt.name}: weights contain NaN or Inf ({(~torch.isfinite(w)).sum().item()} values)")
+    if w.numel() and (amax := w.abs().max().item()) >= WEIGHT_LIMIT:
+        raise ValueError(f"{fmt.name}: a weight of magnitude {amax:.3g} is at or above 2**127, where the NVFP4 and MX "
+                         "scales overflow FP32 (the dequantized weight would be Inf)")
 
 
 __all__ = ["Format", "FORMAT_NAMES", "QuantizedWeight", "check_weight", "get_format"]
