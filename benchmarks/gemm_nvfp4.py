@@ -316,15 +316,14 @@ def run_bench(shapes, ms, w4a8_ms, fh, deadline: float, quick=False, with_quack=
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 io_bytes = 2 * m * k + 2 * m * n
                 res = {"shape": f"{name} {n}x{k}", "n": n, "k": k, "m": m}
-                contenders = {}
-                if m in ms:
+                contenders = {"bf16": ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)}
+                if m in ms:  # bf16 above: the baseline of W4A16 and W4A8 alike
                     contenders["w4a16"] = ([lambda p=p: ng.nvfp4_w4a16(x, p) for p in preps], w_bytes)
                     if m <= gv.MAX_M:
                         wg = ng.pick_config(m, preps[0].row_exp.shape[0], k, Epilogue(), False)
                         gcfg = gv.pick_gemv_config(m, preps[0].row_exp.shape[0], k, Epilogue())
                         contenders["wgmma"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=wg) for p in preps], w_bytes)
                         contenders["gemv"] = ([lambda p=p: ng.nvfp4_w4a16(x, p, config=gcfg) for p in preps], w_bytes)
-                    contenders["bf16"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s], 2 * n * k)
                     if not quick:
                         contenders["dequant+mm"] = (
                             [lambda: torch.nn.functional.linear(x, dequant(qw).to(torch.bfloat16))], w_bytes)
