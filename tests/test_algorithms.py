@@ -75,14 +75,14 @@ def rtn_logit_error(arch: str, fmt: str) -> float:
     return relative_logit_error(arch, fmt, "rtn")
 
 
-def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerContext]:
-    """Run a ``transform`` algorithm on every decoder layer like the pipeline does (float inputs,
-    no quantization); returns the layer contexts."""
+def transform_only(model: nn.Module, algo, fmt: str = "nvfp4", layers_run: int | None = None) -> list[LayerContext]:
+    """Run a ``transform`` algorithm (``None``: none) on every decoder layer (the first
+    ``layers_run``) like the pipeline does (float inputs, no quantization); returns the layer contexts."""
     prefix, layers = find_decoder_layers(model)
     records = capture_layer_inputs(model, layers, [CALIB])
     hidden = [h for h, _ in records]
     contexts = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(layers[:layers_run]):
         linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
         def run_block(batches=None, layer=layer, i=i, hidden=hidden):
@@ -93,7 +93,8 @@ def transform_only(model: nn.Module, algo, fmt: str = "nvfp4") -> list[LayerCont
         out = run_block()
         ctx = LayerContext(get_format(fmt), layer, linears, {n: o.finish() for n, o in observers.items()},
                            fused_groups(linears), shared_weight_amax(linears), run_block)
-        algo.apply(ctx)
+        if algo is not None:
+            algo.apply(ctx)
         contexts.append(ctx)
         hidden = out
     return contexts
@@ -131,9 +132,7 @@ def test_folded_smoothing_keeps_float_outputs(arch, algo):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_smoothing_pairs_found(arch):
     model = with_outliers(arch)
-    prefix, layers = find_decoder_layers(model)
-    linears = {f"{prefix}.0.{n}": m for n, m in layers[0].named_modules() if isinstance(m, nn.Linear)}
-    ctx = LayerContext(get_format("nvfp4"), layers[0], linears, {}, [], {}, lambda: [])
+    (ctx,) = transform_only(model, None, layers_run=1)
     pairs = smoothing_pairs(ctx)
     leaves = [sorted(n.rsplit(".", 1)[1] for n in p.consumers) for p in pairs]
     assert leaves == [["k_proj", "q_proj", "v_proj"], ["gate_proj", "up_proj"], ["o_proj"], ["down_proj"]]
@@ -142,6 +141,42 @@ def test_smoothing_pairs_found(arch):
     rep = 4 // (1 if arch == "gemma3" else 2)
     c = torch.arange(64)
     assert torch.equal(pairs[2].index, (c // 16 // rep) * 16 + c % 16)
+
+
+MISNAMED = {  # architectures whose module paths match a smoothing pair that does not fold exactly
+    "cohere": (lambda: transformers.CohereForCausalLM(transformers.CohereConfig(**_TINY)),
+               ["input_layernorm"]),  # parallel block: the norm feeds the MLP too
+    "olmo2": (lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_TINY)),
+              ["post_attention_layernorm"]),  # post-norm: it normalises the attention output
+    "nemotron": (lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**_TINY)),
+                 ["mlp.up_proj"]),  # down(relu²(up x)): a nonlinearity between up and down
+}
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("arch", MISNAMED)
+@pytest.mark.parametrize("algo", [AWQ(grid=5), SmoothQuant()], ids=["awq", "smoothquant"])
+def test_pairs_that_do_not_fold_exactly_are_skipped(arch, algo):
+    """A pair found by name whose folding would change the layer (checked by folding a random
+    scale on a calibration batch) is skipped with a warning; the float model's outputs stay."""
+    make, producers = MISNAMED[arch]
+    torch.manual_seed(0)
+    model = make().float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+        ref = model(TEST).logits
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="skipped: folding a scale into it changes the layer's function"):
+        transform_only(model, algo)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TEST).logits, ref, rtol=1e-4, atol=1e-4)
+    for i in range(2):
+        for producer in producers:
+            assert torch.equal(model.get_parameter(f"model.layers.{i}.{producer}.weight"),
+                               before[f"model.layers.{i}.{producer}.weight"])
 
 
 @pytest.mark.parametrize("fmt,grid,tokens", [("nvfp4-w4a16", 20, 4096), ("nvfp4", 10, 2048)])

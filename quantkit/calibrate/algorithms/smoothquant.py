@@ -7,18 +7,27 @@ Smoothing with ``s [C]`` divides the producer's output channel ``c`` by ``s[c]``
 the matching weight columns of its consumers by ``s[c]``: the float model computes the same
 function, the checkpoint needs no extra op, and the consumers' inputs are ``x / s``.
 
+Pairs are found by module path (:data:`PAIRS`), then each is checked on the layer itself: a
+random scale is folded into it and every Linear output of the layer, and the layer's output, must
+stay the same on a calibration batch. That drops the pairs the paths get wrong: a norm that also
+feeds other modules (parallel attention/MLP blocks: Phi, Cohere; Gemma 3n's LAuReL), a norm that
+normalises a branch's output (post-norm layers: OLMo 2), a nonlinearity between the pair (ReLU²
+MLPs without a gate: Nemotron), a norm on the values (Gemma 4's ``v_norm``).
+
 SmoothQuant chooses ``s = max|x|^α / max|W|^(1-α)`` (Xiao et al., 2023); AWQ
 (:mod:`quantkit.calibrate.algorithms.awq`) searches ``s`` on the output error and folds it
 with :func:`fold`.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.distributed import all_reduce_
 from quantkit.calibrate.observers import InputStats
 from quantkit.nn.swap import shared_weight_amax
 
@@ -98,7 +107,58 @@ def _gqa_index(attn: nn.Module, v: nn.Linear, o: nn.Linear) -> torch.Tensor | No
 
 def smoothing_pairs(ctx: LayerContext) -> list[SmoothingPair]:
     """The smoothing pairs of ``ctx.block`` (see :data:`PAIRS`) that have at least one consumer
-    being quantized; every consumer of a pair must exist and take the producer's whole output."""
+    being quantized, every consumer existing and taking the producer's whole output, and whose
+    folding leaves the layer's function unchanged (:func:`_folds_exactly`)."""
+    pairs = _candidate_pairs(ctx)
+    if not pairs:
+        return pairs
+    before = _layer_outputs(ctx)
+    broken = all_reduce_(torch.tensor([float(not _folds_exactly(pair, ctx, before)) for pair in pairs]))  # any rank
+    for pair, bad in zip(pairs, broken.tolist()):
+        if bad:
+            warnings.warn(f"smoothing pair {type(pair.producer).__name__} -> {', '.join(n.rpartition('.')[2] for n in pair.consumers)} "
+                          "skipped: folding a scale into it changes the layer's function (its producer feeds other "
+                          "modules too, or a norm or nonlinearity sits between them)", stacklevel=3)
+    return [pair for pair, bad in zip(pairs, broken.tolist()) if not bad]
+
+
+def _layer_outputs(ctx: LayerContext) -> dict[nn.Module, torch.Tensor]:
+    """FP32 outputs of every Linear of the layer (by module) and of the layer (key ``ctx.block``),
+    on calibration batch 0."""
+    seen: dict[nn.Module, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.__setitem__(mod, out.detach().float()))
+             for m in ctx.block.modules() if isinstance(m, nn.Linear)]
+    try:
+        seen[ctx.block] = ctx.run_block([0])[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@torch.no_grad()
+def _folds_exactly(pair: SmoothingPair, ctx: LayerContext, before: dict[nn.Module, torch.Tensor]) -> bool:
+    """Whether folding a random scale (log-uniform in [1/4, 4]) into ``pair`` leaves every Linear
+    output of the layer (the producer's aside) and the layer's output (``before``:
+    :func:`_layer_outputs`) unchanged on a calibration batch, up to the weights' rounding; the
+    weights are restored either way."""
+    params = [p for m in (pair.producer, *pair.consumers.values()) for p in (m.weight, getattr(m, "bias", None))
+              if p is not None]
+    saved = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(0)
+    s = torch.exp2(torch.rand(pair.channels, generator=gen, dtype=torch.float64) * 4 - 2)
+    _scale_weights(pair, s)
+    try:
+        after = _layer_outputs(ctx)
+    finally:
+        for p, old in zip(params, saved):
+            p.copy_(old)
+    tol = max(1e-4, 8 * torch.finfo(pair.producer.weight.dtype).eps)
+    return all((after[m] - b).norm() <= tol * b.norm() for m, b in before.items() if m is not pair.producer)
+
+
+def _candidate_pairs(ctx: LayerContext) -> list[SmoothingPair]:
+    """:data:`PAIRS` as the layer's module paths match them (see :func:`smoothing_pairs`)."""
     modules = dict(ctx.block.named_modules())
     full = {id(m): n for n, m in ctx.linears.items()}
     pairs = []
@@ -136,10 +196,9 @@ def _rescaled(stats: InputStats, s: torch.Tensor) -> InputStats:
 
 
 @torch.no_grad()
-def fold(pair: SmoothingPair, s: torch.Tensor, ctx: LayerContext) -> None:
-    """Smooth ``pair`` by ``s`` (FP32 ``[C]``, positive) in place: the producer's output channel
-    ``c`` is divided by ``s[c]``, the consumers' matching weight columns multiplied; updates the
-    consumers' ``ctx.stats`` and the layer's ``ctx.weight_amax``."""
+def _scale_weights(pair: SmoothingPair, s: torch.Tensor) -> torch.Tensor:
+    """Divide the producer's output channel ``c`` by ``s[c]`` and multiply the consumers' matching
+    weight columns, in place (in float64); returns ``s`` at the consumers' input channels."""
     p = pair.producer
     s64 = s.double().to(p.weight.device)
     if isinstance(p, nn.Linear):
@@ -149,8 +208,18 @@ def fold(pair: SmoothingPair, s: torch.Tensor, ctx: LayerContext) -> None:
     if getattr(p, "bias", None) is not None:
         p.bias.copy_(p.bias.double() / s64)
     s_in = pair.to_input(s64)
-    for name, linear in pair.consumers.items():
+    for linear in pair.consumers.values():
         linear.weight.copy_(linear.weight.double() * s_in.to(linear.weight.device))
+    return s_in
+
+
+@torch.no_grad()
+def fold(pair: SmoothingPair, s: torch.Tensor, ctx: LayerContext) -> None:
+    """Smooth ``pair`` by ``s`` (FP32 ``[C]``, positive) in place: the producer's output channel
+    ``c`` is divided by ``s[c]``, the consumers' matching weight columns multiplied; updates the
+    consumers' ``ctx.stats`` and the layer's ``ctx.weight_amax``."""
+    s_in = _scale_weights(pair, s)
+    for name in pair.consumers:
         if name in ctx.stats:
             ctx.stats[name] = _rescaled(ctx.stats[name], s_in.float())
     ctx.weight_amax.update(shared_weight_amax(ctx.linears))
