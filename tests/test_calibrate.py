@@ -129,6 +129,27 @@ def test_recipe_rejects_unknown_algorithms_when_built():
         Recipe("nvfp4", ("awq", "nosuch"))
     with pytest.raises(ValueError, match="both choose the"):
         Recipe("nvfp4", ("gptq", "autoround"))
+    with pytest.raises(TypeError, match=r"not the string 'gptq\+mse': write \('gptq', 'mse'\)"):
+        Recipe("nvfp4", "gptq+mse")
+    with pytest.raises(TypeError, match=r"ignore takes a list of patterns, not the string 'lm_head'"):
+        Recipe("nvfp4", ignore="lm_head")
+
+
+def test_linears_outside_the_decoder_layers_need_a_calibrated_scale_for_static_formats(tmp_path):
+    """The layers the decoder blocks do not hold (here lm_head, not ignored) get no activation
+    statistics: a static-activation format skips them (else the checkpoint could not be saved),
+    a dynamic one quantizes them round to nearest."""
+    import quantkit
+
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    for fmt, quantized in (("nvfp4", False), ("fp8-dynamic", True)):
+        model = tiny_llama()
+        report = quantize(model, Recipe(fmt, ("rtn",), ignore=()), ids)
+        assert isinstance(model.lm_head, QuantLinear) == quantized
+        if not quantized:
+            assert [(r.name, r.reason) for r in report.skipped] == [
+                ("lm_head", "outside the decoder layers: no calibrated activation scale, which nvfp4 needs")]
+        quantkit.save(model, tmp_path / fmt)
 
 
 # ------------------------------------------------------------------ data

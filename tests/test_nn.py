@@ -100,6 +100,34 @@ def test_quantize_model_reports_every_linear_and_shares_fused_scales():
     assert fused_groups(["a.q_proj", "a.k_proj", "a.v_proj", "b.q_proj"]) == [["a.q_proj", "a.k_proj", "a.v_proj"]]
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_an_empty_batch_gives_an_empty_output(fmt):
+    linear = torch.nn.Linear(256, 64)
+    for q in (QuantLinear.from_linear(linear, fmt),) + ((QuantLinear.from_linear(
+            linear, fmt, input_scale=get_format(fmt).activation.input_scale_from_amax(torch.tensor(4.0))),)
+            if get_format(fmt).activation is not None and get_format(fmt).activation.static else ()):
+        for shape in ((0, 256), (2, 0, 256)):
+            out = q(torch.randn(shape))
+            assert out.shape == (*shape[:-1], 64) and out.dtype == torch.float32
+
+
+def test_quantizing_a_tied_output_layer_unties_it_and_a_string_ignore_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    ids = torch.randint(0, 128, (1, 5))
+    with pytest.raises(TypeError, match=r"ignore takes a list of patterns, not the string 'lm_head'"):
+        quantize_model(model, "nvfp4-w4a16", ignore="lm_head")
+    quantize_model(model, "nvfp4-w4a16", ignore=[])
+    before = model(ids).logits
+    assert model.config.tie_word_embeddings is False
+    model.tie_weights()  # transformers calls it on loads and resizes: the packed weight must stay
+    model.lm_head._forget()
+    assert model.lm_head.weight.dtype == torch.uint8 and torch.equal(model(ids).logits, before)
+
+
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="in_features=40 is not divisible by the block size 16"):
         QuantLinear(40, 8, format="nvfp4")

@@ -276,6 +276,10 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     if kv_cache:
         enable_kv_cache(model, kv_cache)
     rest = {n for n in planned if not n.startswith(prefix + ".")}
+    static = {n for n in rest if get_format(formats[n]).activation is not None and get_format(formats[n]).activation.static}
+    report.layers.extend(LayerResult(n, tuple(planned[n].weight.shape), "outside the decoder layers: no calibrated "
+                                     f"activation scale, which {formats[n]} needs") for n in sorted(static))
+    rest -= static
     if rest:  # Linear layers outside the decoder blocks: round to nearest, no activation statistics
         outside = quantize_model(model, fmt.name, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in rest],
                                  layer_formats=recipe.layer_formats)

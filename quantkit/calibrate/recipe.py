@@ -43,6 +43,9 @@ class Recipe:
     def __post_init__(self) -> None:
         from quantkit.calibrate.algorithms import build, check_options
 
+        if isinstance(self.algorithms, str):
+            raise TypeError(f"algorithms takes a tuple of names, not the string {self.algorithms!r}: write "
+                             f"{tuple(self.algorithms.split('+'))!r} (Recipe.parse takes 'awq+gptq+mse' strings)")
         assign_formats((), self.format, self.layer_formats)  # unknown formats and invalid patterns fail here
         check_patterns(self.ignore)
         check_options(self.options)

@@ -55,7 +55,7 @@ def gemm(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTIT
     if fmt.accumulate is not None:
         acc = fmt.accumulate(x2, qweight, weight)
     else:
-        xq = fmt.activation.qdq(x2, input_scale) if fmt.activation is not None else x2
+        xq = fmt.activation.qdq(x2, input_scale) if fmt.activation is not None and len(x2) else x2  # 0 rows: empty out
         w = qweight.dequantize() if weight is None else weight
         acc = xq.to(w.dtype) @ w.T
     res = rows(residual) if residual is not None else None

@@ -10,6 +10,12 @@ the members' calls would not be seen; transformers does not do that). The output
 every member has taken its slice. Works eagerly, under CUDA-graph capture and inside one
 ``torch.compile`` graph.
 
+The fused GEMM computes what the members compute, bit for bit, in every format but
+``nvfp4-w4a8``: that format picks W4A16 or W4A8 by the token count *and* the weight's rows
+(:func:`quantkit.formats.w4a8.use_w4a8`), and the fused weight has more rows, so between the two
+thresholds the fused GEMM takes W4A8 where the members would take W4A16 (both are the format's
+function; they differ by W4A8's FP8 rounding of the activations and weights).
+
 Fusion is for running a model, not for saving it: :func:`quantkit.save` refuses a fused model.
 """
 from __future__ import annotations

@@ -63,7 +63,11 @@ class QuantizationReport:
 
 
 def check_patterns(patterns: Iterable[str], what: str = "ignore") -> None:
-    """Raise ``ValueError`` naming the first ``re:`` pattern (a ``what`` pattern) that is not a valid regular expression."""
+    """Raise ``TypeError`` if ``patterns`` is one string (a collection of patterns is meant: a
+    string would be read as its characters), or naming the first ``re:`` pattern (a ``what``
+    pattern) that is not a valid regular expression."""
+    if isinstance(patterns, str):
+        raise TypeError(f"{what} takes a list of patterns, not the string {patterns!r}: write [{patterns!r}]")
     for p in patterns:
         if p.startswith("re:"):
             try:
@@ -178,6 +182,8 @@ def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = No
 
     Fused MoE experts count as skipped until :func:`quantkit.nn.experts.linearize_experts` has
     split them into per-expert Linears (as :func:`quantize_model` does first)."""
+    if isinstance(ignore, str):
+        check_patterns(ignore)  # raises: one string is not a list of patterns
     return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore), layer_formats)
 
 
@@ -244,4 +250,17 @@ def quantize_model(model: nn.Module, format: str = "nvfp4", ignore: Iterable[str
             bytes_before=w.numel() * w.element_size(),
             bytes_after=sum(t.numel() * t.element_size() for t in (q.weight, q.weight_scale))))
         model.set_submodule(name, q)
+    _untie_quantized_head(model)
     return report
+
+
+def _untie_quantized_head(model: nn.Module) -> None:
+    """A quantized output layer no longer shares the embedding matrix: clear the config's
+    ``tie_word_embeddings`` (else a later ``tie_weights()`` puts the float embedding in place of its
+    packed weight)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    config = getattr(model, "config", None)
+    if isinstance(head, QuantLinear) and config is not None:
+        for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+            if getattr(cfg, "tie_word_embeddings", False):
+                cfg.tie_word_embeddings = False
