@@ -86,7 +86,8 @@ def transform_only(model: nn.Module, algo, fmt: str = "nvfp4", layers_run: int |
         linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
         def run_block(batches=None, layer=layer, i=i, hidden=hidden):
-            outs = [layer(hidden[b], **records[b][1][i]) for b in (range(len(hidden)) if batches is None else batches)]
+            outs = [layer(hidden[b], *records[b][1][i][0], **records[b][1][i][1])
+                    for b in (range(len(hidden)) if batches is None else batches)]
             return [o[0] if isinstance(o, tuple) else o for o in outs]
 
         observers = {n: InputObserver(m) for n, m in linears.items()}

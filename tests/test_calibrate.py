@@ -1,4 +1,5 @@
 """Sequential calibration pipeline and calibration data."""
+import copy
 import json
 import re
 
@@ -10,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from quantkit.calibrate import CalibrationError, Recipe, quantize
 from quantkit.calibrate.data import CalibrationDataError, load_texts, token_samples
 from quantkit.formats import get_format
-from quantkit.nn import QuantLinear
+from quantkit.nn import QuantLinear, quantize_model
 
 
 def tiny_llama(seed=0, layers=3):
@@ -189,3 +190,31 @@ def test_unknown_hub_dataset_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(CalibrationDataError, match="cannot load dataset 'no-such-org/no-such-set'"):
         load_texts("no-such-org/no-such-set")
+
+
+def test_decoder_layers_called_with_positional_inputs_calibrate():
+    """Gemma 3n passes its rotary embeddings and per-layer inputs to each decoder layer
+    positionally: the pipeline records and replays them (it once kept keyword arguments only), and
+    the calibrated model's logits stay close to the float model's."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=16,
+        intermediate_size=[128, 128], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=8,
+        activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=2)
+    model = transformers.Gemma3nForCausalLM(cfg).float().eval()
+    rtn = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    quantize_model(rtn, "fp8-dynamic")
+    report = quantize(model, Recipe("fp8-dynamic", ("mse",)), ids)
+    projections = {f"model.layers.{i}.{p}" for i in range(2) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+        "mlp.down_proj")}
+    assert projections <= {r.name for r in report.quantized}
+    with torch.no_grad():
+        out, out_rtn = model(ids).logits, rtn(ids).logits
+    assert (out - ref).norm() < 1.2 * (out_rtn - ref).norm()  # the MSE scales: no worse than round to nearest

@@ -51,14 +51,14 @@ PROMPT = torch.tensor([[2, 7, BOI, IMAGE, IMAGE, IMAGE, IMAGE, EOI, 40, 41, 42]]
 PIXELS = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
 
 
-def tiny_gemma3_vlm() -> Gemma3ForConditionalGeneration:
-    """Gemma 3 with a SigLIP vision tower (K = 32 and 64: quantizable by size), bf16."""
+def tiny_gemma3_vlm(vision_layers: int = 1) -> Gemma3ForConditionalGeneration:
+    """Gemma 3 (2 decoder layers) with a SigLIP vision tower (K = 32 and 64: quantizable by size), bf16."""
     torch.manual_seed(0)
     text = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
                             sliding_window=16)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=32, patch_size=8)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
+                                num_attention_heads=2, image_size=32, patch_size=8)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
                           boi_token_index=BOI, eoi_token_index=EOI)
     return Gemma3ForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
@@ -104,12 +104,13 @@ def linears(model, kind=torch.nn.Linear) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, kind)}
 
 
-def test_only_the_language_model_is_quantized():
-    model = tiny_gemma3_vlm()
+@pytest.mark.parametrize("vision_layers", [1, 3])  # 3: the tower holds more blocks than the decoder (as 7B VLMs do)
+def test_only_the_language_model_is_quantized(vision_layers):
+    model = tiny_gemma3_vlm(vision_layers)
     vision = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("model.vision_tower.")}
     text_linears = {n for n in linears(model) if n.startswith("model.language_model.")}
     vision_linears = {n for n in linears(model) if n.startswith("model.vision_tower.")}
-    assert len(text_linears) == 14 and len(vision_linears) == 9
+    assert len(text_linears) == 14 and len(vision_linears) == 6 * vision_layers + 3
     report = quantkit.quantize(model, "nvfp4", TEXT, batch_size=2)
     assert linears(model, QuantLinear) == text_linears
     assert {r.name: r.reason for r in report.layers if r.name in vision_linears} == \

@@ -65,15 +65,27 @@ class CalibrationInfo:
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The ``nn.ModuleList`` holding the decoder layers: the longest list of Linear-bearing blocks
-    not nested in another such list (MoE experts are lists inside the decoder layers)."""
+    not nested in another such list (MoE experts are lists inside the decoder layers), inside the
+    language model where the model names it (``get_decoder()``: a vision tower may have more blocks)."""
+    decoder = _decoder_name(model)
     lists = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and len(module)
+             if isinstance(module, nn.ModuleList) and len(module) and name.startswith(decoder)
              and all(any(isinstance(m, nn.Linear) for m in block.modules()) for block in module)]
     outer = [(name, module) for name, module in lists
              if not any(name.startswith(f"{other}.") for other, _ in lists if other != name)]
     if not outer:
         raise CalibrationError("found no list of decoder layers (nn.ModuleList of blocks with Linear layers) in the model")
     return max(outer, key=lambda item: len(item[1]))
+
+
+def _decoder_name(model: nn.Module) -> str:
+    """``"NAME."`` of the module ``model.get_decoder()`` returns (the language model of a
+    multimodal model), ``""`` (all of ``model``) where there is none or it is ``model`` itself."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return ""
+    return next((f"{name}." for name, m in model.named_modules() if m is decoder and name), "")
 
 
 def observed_inputs(layer: nn.Module, scope: str, names: list[str]) -> dict[str, str]:
@@ -109,15 +121,16 @@ class _LastLayerReached(Exception):
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]):
     """Run ``model`` with every layer replaced by an identity, up to the last layer; return, per
-    batch, the hidden states entering the first layer it calls and, by layer index, the keyword
-    arguments each layer it calls was called with."""
+    batch, the hidden states entering the first layer it calls and, by layer index, the other
+    arguments each layer it calls was called with: ``(positional, keyword)`` (Gemma 3n and 4 pass
+    their per-layer inputs positionally)."""
     records: list[tuple[torch.Tensor, dict[int, dict]]] = []
 
     def recorder(i: int) -> Callable:
         def forward(hidden_states, *args, **kwargs):
             if not records[-1][1]:
                 records[-1] = (hidden_states, {})
-            records[-1][1][i] = kwargs
+            records[-1][1][i] = (args, kwargs)
             if i == len(layers) - 1:
                 raise _LastLayerReached
             return hidden_states
@@ -239,8 +252,11 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
 
         def run_block(batches: list[int] | None = None, layer=layer, i=i, states=None) -> list[torch.Tensor]:
             states = hidden if states is None else states
-            return [_hidden(layer(states[b].to(device), **_to(records[b][1][i], device))).to(state_device)
-                    for b in (range(len(states)) if batches is None else batches)]
+            outs = []
+            for b in range(len(states)) if batches is None else batches:
+                args, kwargs = _to(records[b][1][i], device)
+                outs.append(_hidden(layer(states[b].to(device), *args, **kwargs)).to(state_device))
+            return outs
 
         with calibrating_all_experts(layer):
             targets = run_block(states=float_hidden) if float_hidden is not None else None
