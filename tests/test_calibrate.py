@@ -173,6 +173,10 @@ def test_embedded_corpus_and_local_files(tmp_path):
     assert ids.shape == (3, 10) and ids.dtype == torch.long
     stream = token_samples(load_texts(tmp_path), CharTokenizer(), num_samples=1, seq_len=1000, seed=1)[0].tolist()
     assert CharTokenizer.eos_token_id in stream  # passages are joined with EOS
+    (tmp_path / "c.JSONL").write_bytes(b"\xef\xbb\xbf" + (json.dumps("a plain string") + "\n").encode())  # BOM, upper case
+    assert load_texts(tmp_path / "c.JSONL") == ["a plain string"]
+    (tmp_path / "sub.json").mkdir()  # a directory named like a file is not read
+    assert len(load_texts(tmp_path)) == 5
 
 
 def test_bad_calibration_data_errors(tmp_path):
@@ -183,6 +187,15 @@ def test_bad_calibration_data_errors(tmp_path):
         load_texts(tmp_path / "empty.txt")
     with pytest.raises(CalibrationDataError, match="exceeds the model's context length 128"):
         token_samples(["abc"], CharTokenizer(), num_samples=1, seq_len=512, max_length=128)
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"id": "doc-1", "body": "text"}) + "\n")  # no text field: not the id
+    with pytest.raises(CalibrationDataError, match=r"ids.jsonl: no record has a text \(keys: body, id\)"):
+        load_texts(tmp_path / "ids.jsonl")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "ok"}) + "\n{broken\n")
+    with pytest.raises(CalibrationDataError, match="bad.jsonl: line 2 is not JSON"):
+        load_texts(tmp_path / "bad.jsonl")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(CalibrationDataError, match="latin1.txt: not UTF-8 text"):
+        load_texts(tmp_path / "latin1.txt")
 
 
 def test_unknown_hub_dataset_offline_is_a_clear_error(monkeypatch):

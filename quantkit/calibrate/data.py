@@ -4,8 +4,10 @@ A *source* is one of:
 
 - ``None`` / ``"default"``: the embedded corpus shipped in ``quantkit/calibrate/corpus/`` (xz-compressed,
   works offline);
-- a local ``.txt`` (blank-line separated passages), ``.jsonl`` / ``.json`` (a ``text`` field, or chat
-  ``messages``), ``.parquet`` file, or a directory of such files;
+- a local ``.txt`` (blank-line separated passages), ``.jsonl`` / ``.json`` / ``.parquet`` file of
+  records (each a string, or an object with a ``text``, ``content``, ``document`` or ``prompt``
+  string or chat ``messages``; a ``.json`` file holds a list of them or ``{"data": [...]}``), or a
+  directory of such files (suffixes in any case);
 - a Hugging Face hub dataset id, optionally ``name:config`` (e.g. ``wikitext:wikitext-2-raw-v1``).
 """
 from __future__ import annotations
@@ -26,30 +28,57 @@ class CalibrationDataError(ValueError):
     """The calibration data could not be found, read or turned into samples."""
 
 
-def _record_text(record: dict, tokenizer) -> str | None:
+TEXT_FIELDS = ("text", "content", "document", "prompt")
+
+
+def _record_text(record, tokenizer) -> str | None:
+    """The text of one record (module docstring); ``None`` if it has none."""
+    if isinstance(record, str):
+        return record
+    if not isinstance(record, dict):
+        return None
     if isinstance(record.get("messages"), list) and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(record["messages"], tokenize=False)
-    for key in ("text", "content", "document", "prompt"):
+    for key in TEXT_FIELDS:
         if isinstance(record.get(key), str):
             return record[key]
     if isinstance(record.get("messages"), list):
         return "\n".join(str(m.get("content", "")) for m in record["messages"])
-    return next((v for v in record.values() if isinstance(v, str)), None)
+    return None
+
+
+def _texts(records: list, tokenizer, where: str) -> list[str]:
+    """The non-empty texts of ``records``; records that all lack one are an error naming their keys."""
+    texts = [_record_text(r, tokenizer) for r in records]
+    if records and all(t is None for t in texts):
+        keys = sorted({k for r in records if isinstance(r, dict) for k in r})
+        raise CalibrationDataError(f"{where}: no record has a text ({'keys: ' + ', '.join(keys) if keys else type(records[0]).__name__}); "
+                                   f"quantkit reads strings, {'/'.join(TEXT_FIELDS)} fields or chat messages")
+    return [t for t in texts if t and t.strip()]
 
 
 def _read_file(path: Path, tokenizer) -> list[str]:
-    if path.suffix == ".txt":
-        return [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
-    if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-        records = loaded if isinstance(loaded, list) else loaded.get("data", [loaded])
-    else:
-        import datasets
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            return [p.strip() for p in path.read_text(encoding="utf-8-sig").split("\n\n") if p.strip()]
+        if suffix == ".jsonl":
+            records = []
+            for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+                try:
+                    records += [json.loads(line)] if line.strip() else []
+                except json.JSONDecodeError as err:
+                    raise CalibrationDataError(f"{path}: line {number} is not JSON ({err})") from None
+        elif suffix == ".json":
+            loaded = json.loads(path.read_text(encoding="utf-8-sig"))
+            records = loaded if isinstance(loaded, list) else loaded.get("data", [loaded])
+        else:
+            import datasets
 
-        records = list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
-    return [t for t in (_record_text(r, tokenizer) for r in records) if t and t.strip()]
+            records = list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CalibrationDataError(f"{path}: not UTF-8 {'text' if suffix == '.txt' else 'JSON'} ({err})") from None
+    return _texts(records, tokenizer, str(path))
 
 
 def _from_hub(spec: str, tokenizer) -> list[str]:
@@ -62,7 +91,7 @@ def _from_hub(spec: str, tokenizer) -> list[str]:
         raise CalibrationDataError(f"cannot load dataset {spec!r} from the hub ({type(err).__name__}: {err}); "
                                    "pass a local .txt/.jsonl/.parquet file or omit --calib for the embedded corpus") from None
     split = next((s for s in ("train", "train_sft", "validation", "test") if s in ds), next(iter(ds)))
-    return [t for t in (_record_text(r, tokenizer) for r in ds[split]) if t and t.strip()]
+    return _texts(list(ds[split]), tokenizer, f"dataset {spec!r} ({split})")
 
 
 def load_texts(source: str | Path | None = None, tokenizer=None) -> list[str]:
@@ -73,14 +102,14 @@ def load_texts(source: str | Path | None = None, tokenizer=None) -> list[str]:
                 for t in lzma.decompress(f.read_bytes()).decode("utf-8").split("\n\n") if t.strip()]
     path = Path(source)
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.suffix in LOCAL_SUFFIXES)
+        files = sorted(f for f in path.rglob("*") if f.suffix.lower() in LOCAL_SUFFIXES and f.is_file())
         if not files:
             raise CalibrationDataError(f"directory {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         texts = [t for f in files for t in _read_file(f, tokenizer)]
-    elif path.suffix in LOCAL_SUFFIXES or path.exists():
+    elif path.suffix.lower() in LOCAL_SUFFIXES or path.exists():
         if not path.is_file():
             raise CalibrationDataError(f"calibration file {path} does not exist")
-        if path.suffix not in LOCAL_SUFFIXES:
+        if path.suffix.lower() not in LOCAL_SUFFIXES:
             raise CalibrationDataError(f"calibration file {path}: unsupported type (use {', '.join(LOCAL_SUFFIXES)})")
         texts = _read_file(path, tokenizer)
     else:
