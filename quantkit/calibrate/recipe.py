@@ -71,7 +71,9 @@ class Recipe:
               layer_formats: list[str] | None = None, **kwargs) -> Recipe:
         """From CLI-style strings: ``algo`` like ``"awq+gptq+mse"``; ``ignore`` adds to the defaults;
         ``layer_formats`` entries ``"PATTERN=FORMAT"``."""
-        algorithms = tuple(a.strip() for a in algo.split("+") if a.strip()) if algo else ()
+        algorithms = tuple(a.strip() for a in algo.split("+")) if algo else ()
+        if "" in algorithms:
+            raise ValueError(f"--algo {algo!r} has an empty name: join algorithm names with '+', e.g. 'awq+gptq+mse'")
         pairs = {}
         for entry in layer_formats or ():
             pattern, sep, fmt = entry.rpartition("=")

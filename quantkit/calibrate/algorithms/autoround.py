@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext, check_option
 from quantkit.calibrate.algorithms.mse import qdq
 from quantkit.formats import Format
 from quantkit.formats.codecs import e8m0_decode
@@ -67,6 +67,8 @@ class AutoRound(Algorithm):
             raise ValueError(f"autoround target must be 'layer' or 'model', got {target!r}")
         if batches_per_step < 0:
             raise ValueError(f"autoround batches_per_step must be >= 0, got {batches_per_step}")
+        check_option("autoround", "iters", iters, int, 0)
+        check_option("autoround", "lr", lr, float, 0)
         self.iters, self.lr, self.batches_per_step = iters, lr, batches_per_step
         self.needs_float_targets = target == "model"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext, check_option
 from quantkit.calibrate.algorithms.mse import amax_scales
 from quantkit.calibrate.algorithms.smoothquant import SmoothingPair, fold, input_stats, smoothing_pairs
 from quantkit.calibrate.distributed import all_reduce_
@@ -69,6 +69,11 @@ class AWQ(Algorithm):
     stage = "transform"
 
     def __init__(self, grid: int | None = None, max_tokens: int | None = None, duo: bool = True):
+        if grid is not None:
+            check_option("awq", "grid", grid, int, 2)  # 1 would try only s = 1
+        if max_tokens is not None:
+            check_option("awq", "max_tokens", max_tokens, int, 1)
+        check_option("awq", "duo", duo, bool)
         self.grid, self.max_tokens, self.duo = grid, max_tokens, duo
 
     def _group_of(self, ctx: LayerContext, name: str, pair: SmoothingPair) -> list[str]:

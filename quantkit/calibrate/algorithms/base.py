@@ -71,6 +71,18 @@ class LayerContext:
         return scales
 
 
+def check_option(algorithm: str, name: str, value, kind: type, low: float | None = None, high: float | None = None) -> None:
+    """Raise ``ValueError`` naming ``algorithm``'s option ``name`` unless ``value`` is a ``kind``
+    (``float`` accepts ints; a bool is no number) within ``[low, high]``."""
+    kinds = (int, float) if kind is float else (kind,)
+    ok = isinstance(value, kinds) and (kind is bool or not isinstance(value, bool))
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        bounds = "" if low is None else f" >= {low}" if high is None else f" in [{low}, {high}]"
+        raise ValueError(f"{algorithm} option {name} must be {'a number' if kind is float else f'an {kind.__name__}'}"
+                         f"{bounds}, got {value!r}")
+
+
 class Algorithm:
     """A calibration algorithm: ``stage``, options from the recipe, ``apply(ctx)``."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext, check_option
 from quantkit.calibrate.algorithms.mse import amax_scales, search_block_scales
 from quantkit.formats import Format, QuantizedWeight
 from quantkit.formats.codecs import e2m1_decode, e2m1_encode, e4m3_encode, pack_nibbles
@@ -135,6 +135,10 @@ class GPTQ(Algorithm):
 
     def __init__(self, damp: float = 0.01, block_size: int = 128, act_order: bool = False,
                  dynamic_scales: bool = True, mse_scales: bool = False):
+        check_option("gptq", "damp", damp, float, 0)
+        check_option("gptq", "block_size", block_size, int, 1)
+        for flag, value in (("act_order", act_order), ("dynamic_scales", dynamic_scales), ("mse_scales", mse_scales)):
+            check_option("gptq", flag, value, bool)
         self.damp, self.block_size, self.act_order, self.dynamic_scales = damp, block_size, act_order, dynamic_scales
         self.mse_scales = mse_scales
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext, check_option
 from quantkit.formats import Format, QuantizedWeight
 from quantkit.formats.nvfp4 import NVFP4Weight
 
@@ -107,6 +107,8 @@ class MSE(Algorithm):
     stage = "scales"
 
     def __init__(self, weighted: bool = True, tensor_scale_steps: int = 1):
+        check_option("mse", "weighted", weighted, bool)
+        check_option("mse", "tensor_scale_steps", tensor_scale_steps, int, 1)
         self.weighted, self.tensor_scale_steps = weighted, tensor_scale_steps
 
     def _importance(self, ctx: LayerContext, name: str) -> torch.Tensor | None:

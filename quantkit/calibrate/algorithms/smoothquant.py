@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.calibrate.algorithms.base import Algorithm, LayerContext
+from quantkit.calibrate.algorithms.base import Algorithm, LayerContext, check_option
 from quantkit.calibrate.distributed import all_reduce_
 from quantkit.calibrate.observers import InputStats
 from quantkit.nn.swap import shared_weight_amax
@@ -238,6 +238,7 @@ class SmoothQuant(Algorithm):
     stage = "transform"
 
     def __init__(self, alpha: float = 0.5):
+        check_option("smoothquant", "alpha", alpha, float, 0, 1)
         self.alpha = alpha
 
     @torch.no_grad()
