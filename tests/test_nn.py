@@ -128,6 +128,16 @@ def test_quantizing_a_tied_output_layer_unties_it_and_a_string_ignore_is_refused
     assert model.lm_head.weight.dtype == torch.uint8 and torch.equal(model(ids).logits, before)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-dynamic", "mxfp8"])
+def test_casts_skip_the_quantized_buffers_but_moves_and_sharing_reach_them(fmt):
+    q = QuantLinear.from_linear(torch.nn.Linear(64, 32), fmt)
+    dtypes = {n: b.dtype for n, b in q.named_buffers()}
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()):
+        assert {n: b.dtype for n, b in cast(q).named_buffers()} == dtypes
+    q.share_memory()
+    assert all(b.is_shared() for b in q.buffers()) and q.bias.is_shared()
+
+
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="in_features=40 is not divisible by the block size 16"):
         QuantLinear(40, 8, format="nvfp4")

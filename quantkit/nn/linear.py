@@ -10,8 +10,11 @@ from quantkit.kernels.epilogue import Epilogue
 
 
 def moved_only(fn, t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the device ``fn`` (a ``Module._apply`` function) moves tensors to, dtype kept."""
-    return t.to(fn(torch.empty(0, device=t.device)).device)
+    """``fn(t)`` (``fn``: a ``Module._apply`` function) where ``fn`` keeps ``t``'s dtype (a move,
+    ``share_memory_``), else ``t`` on the device ``fn`` moves tensors to: a cast never reaches the
+    quantized buffers (probed on an empty tensor of ``t``'s dtype)."""
+    probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+    return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
 
 
 class QuantLinear(nn.Module):
