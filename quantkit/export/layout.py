@@ -120,6 +120,11 @@ def export_layer(layer: QuantLinear, specs: tuple[TensorSpec, ...], name: str) -
     return out
 
 
+def _non_finite_scale(t: torch.Tensor) -> bool:
+    """Whether scale tensor ``t`` holds a NaN or Inf (an E8M0 byte 255 is NaN)."""
+    return bool((t == 255).any()) if t.dtype == torch.uint8 else not torch.isfinite(t.float()).all()
+
+
 def import_layer(tensors: CheckpointTensors, prefix: str, specs: tuple[TensorSpec, ...],
                  n: int, k: int) -> dict[str, torch.Tensor]:
     """QuantLinear buffers (by ``field``) of the ``[n, k]`` layer whose tensors are ``prefix + spec.name``.
@@ -129,7 +134,7 @@ def import_layer(tensors: CheckpointTensors, prefix: str, specs: tuple[TensorSpe
     out = {}
     for spec in specs:
         t = tensors.take(prefix + spec.name, (spec.dtype, *spec.accept), spec.shape(n, k)).to(spec.dtype)
-        if spec.field != "weight" and not spec.reciprocal and ((t == 255).any() if t.dtype == torch.uint8 else not torch.isfinite(t.float()).all()):
+        if spec.field != "weight" and not spec.reciprocal and _non_finite_scale(t):
             raise CheckpointError(f"{tensors.directory}: tensor {prefix + spec.name!r} holds NaN or Inf scales")
         if spec.reciprocal:
             if not torch.isfinite(t).all() or (t == 0).any():
