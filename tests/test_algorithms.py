@@ -205,7 +205,7 @@ def test_awq_gram_error_equals_the_token_error():
     from quantkit.calibrate.algorithms.awq import _capture_inputs
 
     awq = AWQ()
-    ctx = transform_only(with_outliers("llama"), AWQ(grid=1), "nvfp4-w4a16")[0]
+    ctx = transform_only(with_outliers("llama"), None, "nvfp4-w4a16")[0]
     pairs = smoothing_pairs(ctx)
     for pair, x in zip(pairs, _capture_inputs(ctx, pairs, [1 << 20] * len(pairs))):
         names = [n for n in pair.consumers if n in ctx.stats]
