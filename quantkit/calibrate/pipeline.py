@@ -292,7 +292,7 @@ def quantize(model: nn.Module, recipe: Recipe | str = "nvfp4", calib_data: torch
     if kv_cache:
         enable_kv_cache(model, kv_cache)
     rest = {n for n in planned if not n.startswith(prefix + ".")}
-    static = {n for n in rest if get_format(formats[n]).activation is not None and get_format(formats[n]).activation.static}
+    static = {n for n in rest if get_format(formats[n]).static_activation}
     report.layers.extend(LayerResult(n, tuple(planned[n].weight.shape), "outside the decoder layers: no calibrated "
                                      f"activation scale, which {formats[n]} needs") for n in sorted(static))
     rest -= static

@@ -15,6 +15,7 @@ is the ``lm_eval`` command line with that class registered.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -58,17 +59,22 @@ class QuantkitLM(HFLM):
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, **kwargs)
 
 
+@functools.cache
+def _indexed_task_manager() -> TaskManager:
+    """lm-eval's task manager over its whole task tree (indexing it takes seconds: built once)."""
+    return TaskManager()
+
+
 def _task_manager(specs: Sequence[str | dict]) -> TaskManager:
-    """A task manager; indexing lm-eval's whole task tree takes seconds, so it is skipped when
-    every spec is already a full config."""
-    return TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs))
+    """A task manager; the task tree's index only where a spec names a task (not a full config)."""
+    return _indexed_task_manager() if any(isinstance(spec, str) for spec in specs) else TaskManager(include_defaults=False)
 
 
 def unknown_tasks(tasks: Sequence[str]) -> list[str]:
     """The names in ``tasks`` that are neither lm-eval tasks, groups or tags nor YAML files (the
     offline tasks are known without indexing lm-eval's task tree, which takes seconds)."""
     rest = [t for t in tasks if t not in OFFLINE_TASKS and t != PERPLEXITY_TASK and not Path(t).is_file()]
-    known = set(TaskManager().all_tasks) if rest else set()
+    known = set(_indexed_task_manager().all_tasks) if rest else set()
     return [t for t in rest if t not in known]
 
 

@@ -30,6 +30,7 @@ applies the 6 rule.)
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ class Format:
     weight: WeightScheme
     activation: ActivationScheme | None
     accumulate: Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor] | None = None
+
+    @property
+    def static_activation(self) -> bool:
+        """Whether the activations take a calibrated (static) ``input_scale``."""
+        return self.activation is not None and self.activation.static
 
     @property
     def k_multiple(self) -> int:
@@ -112,9 +118,10 @@ def check_weight(w: torch.Tensor, fmt: Format) -> None:
         raise ValueError(f"{fmt.name}: weights must be floating point, got {w.dtype}")
     if w.shape[1] % fmt.k_multiple:
         raise ValueError(f"{fmt.name}: K={w.shape[1]} is not divisible by the block size {fmt.k_multiple}")
-    if not torch.isfinite(w).all():
+    amax = w.abs().max().item() if w.numel() else 0.0  # NaN if any is: one pass for both checks
+    if not math.isfinite(amax):
         raise ValueError(f"{fmt.name}: weights contain NaN or Inf ({(~torch.isfinite(w)).sum().item()} values)")
-    if w.numel() and (amax := w.abs().max().item()) >= WEIGHT_LIMIT:
+    if amax >= WEIGHT_LIMIT:
         raise ValueError(f"{fmt.name}: a weight of magnitude {amax:.3g} is at or above 2**127, where the NVFP4 and MX "
                          "scales overflow FP32 (the dequantized weight would be Inf)")
 

@@ -23,6 +23,12 @@ _TIE_DOWN = (0.25, 1.25, 2.5, 5.0)   # even index below: round down on a tie
 _TIE_UP = (0.75, 1.75, 3.5)          # even index above: round up on a tie
 
 
+def abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    """FP32 ``|x|`` with NaN as 0 (Inf kept): what an amax over activations reads, as the GPU's
+    ``max.f32`` skips NaN."""
+    return x.float().abs().nan_to_num(0.0, posinf=math.inf)
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """FP32 (any shape) -> uint8 E2M1 codes in the low nibble, same shape. RNE, saturating."""
     a = x.float().abs()

@@ -7,8 +7,8 @@ saturating) and ``x̂ = q · s``.
 Non-finite activations (weights reject them: :func:`quantkit.formats.check_weight`) are never
 clipped silently: the amax ignores NaN, as the GPU's ``max.f32`` does, so a NaN stays NaN in its
 place and the rest of its block quantizes as without it (the GEMM output row is NaN either way);
-an Inf makes its block's scale Inf, so the block dequantizes to NaN (``0 · Inf``). Under a static (calibrated) scale an Inf saturates to ±448 like any value out of range, as
-``cvt.rn.satfinite`` does.
+an Inf makes its block's scale Inf, so the block dequantizes to NaN (``0 · Inf``). Under a static
+(calibrated) scale an Inf saturates to ±448 like any value out of range, as ``cvt.rn.satfinite`` does.
 
 Granularities (block = (rows, cols); 0 means the whole dimension):
 
@@ -20,12 +20,10 @@ rows; K must divide by the column block).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from quantkit.formats.base import QuantizedWeight
-from quantkit.formats.codecs import E4M3_MAX, e4m3_encode
+from quantkit.formats.codecs import E4M3_MAX, abs_ignoring_nan, e4m3_encode
 
 
 def _block_dims(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
@@ -45,7 +43,7 @@ def block_scales(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = x.shape
     br, bc = _block_dims((rows, cols), block)
     pad = (-rows) % br
-    a = torch.nn.functional.pad(x.float().abs().nan_to_num(0.0, posinf=math.inf), (0, 0, 0, pad))
+    a = torch.nn.functional.pad(abs_ignoring_nan(x), (0, 0, 0, pad))
     amax = a.reshape((rows + pad) // br, br, cols // bc, bc).amax((1, 3))
     # a true division on every device (CUDA turns a scalar divisor into a reciprocal multiply)
     scale = amax / torch.full_like(amax, E4M3_MAX)

@@ -28,12 +28,11 @@ calibrated tensor scale an Inf saturates to its block's largest value, as out-of
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from quantkit.formats.base import QuantizedWeight
-from quantkit.formats.codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
+from quantkit.formats.codecs import (E2M1_MAX, E4M3_MAX, abs_ignoring_nan, e2m1_decode, e2m1_encode, pack_nibbles,
+                                    unpack_nibbles)
 
 BLOCK = 16
 _E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6
@@ -150,7 +149,7 @@ class NVFP4Activation:
         """``(codes, scale, tensor_scale)`` of ``x [..., K]``: unpacked E2M1 codes uint8 ``[..., K]``,
         E4M3 block scales ``[..., K/16]`` and the FP32 tensor scale (``input_scale`` if given)."""
         if input_scale is None:  # the amax ignores NaN (module docstring)
-            ts = tensor_scale_from_amax(x.float().abs().nan_to_num(0.0, posinf=math.inf).amax())
+            ts = tensor_scale_from_amax(abs_ignoring_nan(x).amax())
         else:
             ts = input_scale.float()
         codes, scale = quantize_blocks(x, ts, self.four_over_six)

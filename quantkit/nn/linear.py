@@ -41,7 +41,7 @@ class QuantLinear(nn.Module):
         else:
             self.weight_tensor_scale = None
         if static_input:
-            if fmt.activation is None or not fmt.activation.static:
+            if not fmt.static_activation:
                 raise ValueError(f"{fmt.name} takes no calibrated input scale")
             self.register_buffer("input_scale", torch.empty((), dtype=torch.float32, device=device))
         else:

@@ -154,6 +154,7 @@ def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 def _plan(model: nn.Module, fmt_name: str, ignore: Iterable[str],
           layer_formats: Mapping[str, str] | None) -> tuple[dict[str, nn.Linear], list[LayerResult]]:
     check_patterns(ignore)
+    ignore = tuple(ignore)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     formats = assign_formats(linears, fmt_name, layer_formats)
     chosen, skipped = {}, []
@@ -182,9 +183,7 @@ def plan_layers(model: nn.Module, format: str, ignore: Iterable[str] | None = No
 
     Fused MoE experts count as skipped until :func:`quantkit.nn.experts.linearize_experts` has
     split them into per-expert Linears (as :func:`quantize_model` does first)."""
-    if isinstance(ignore, str):
-        check_patterns(ignore)  # raises: one string is not a list of patterns
-    return _plan(model, format, DEFAULT_IGNORE if ignore is None else tuple(ignore), layer_formats)
+    return _plan(model, format, DEFAULT_IGNORE if ignore is None else ignore, layer_formats)
 
 
 def shared_weight_amax(layers: Mapping[str, nn.Linear]) -> dict[str, torch.Tensor]:

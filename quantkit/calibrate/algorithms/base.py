@@ -63,9 +63,10 @@ class LayerContext:
         grouped = {n for g in self.groups for n in g}
         scales = {}
         for group in [*self.groups, *[[n] for n in self.linears if n not in grouped]]:
-            act = self.format_of(group[0]).activation
-            if act is None or not act.static:
+            fmt = self.format_of(group[0])
+            if not fmt.static_activation:
                 continue
+            act = fmt.activation
             amax = torch.stack([self.stats[n].amax for n in group]).max()
             scales.update({n: act.input_scale_from_amax(amax) for n in group})
         return scales

@@ -113,13 +113,13 @@ def smoothing_pairs(ctx: LayerContext) -> list[SmoothingPair]:
     if not pairs:
         return pairs
     before = _layer_outputs(ctx)
-    broken = all_reduce_(torch.tensor([float(not _folds_exactly(pair, ctx, before)) for pair in pairs]))  # any rank
-    for pair, bad in zip(pairs, broken.tolist()):
+    broken = all_reduce_(torch.tensor([float(not _folds_exactly(pair, ctx, before)) for pair in pairs])).tolist()  # any rank
+    for pair, bad in zip(pairs, broken):
         if bad:
             warnings.warn(f"smoothing pair {type(pair.producer).__name__} -> {', '.join(n.rpartition('.')[2] for n in pair.consumers)} "
                           "skipped: folding a scale into it changes the layer's function (its producer feeds other "
                           "modules too, or a norm or nonlinearity sits between them)", stacklevel=3)
-    return [pair for pair, bad in zip(pairs, broken.tolist()) if not bad]
+    return [pair for pair, bad in zip(pairs, broken) if not bad]
 
 
 def _layer_outputs(ctx: LayerContext) -> dict[nn.Module, torch.Tensor]:
