@@ -219,13 +219,18 @@ def _copy_model(model_dir, tmp_path, edit=None):
     return path
 
 
-def test_an_output_save_would_refuse_fails_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+@pytest.fixture()
+def no_model_load(monkeypatch):
+    """Fail the test if the command loads a model (it should have stopped before)."""
     import quantkit.models
 
     def no_load(*a, **k):
-        raise AssertionError("the model was loaded before --out was checked")
+        raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(quantkit.models, "load_model", no_load)
+
+
+def test_an_output_save_would_refuse_fails_before_the_model_loads(model_dir, tmp_path, no_model_load):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("mine")
     (tmp_path / "afile").write_text("x")
@@ -277,14 +282,8 @@ def test_eval_and_bench_of_a_corrupt_checkpoint_are_clear_errors(model_dir, tmp_
         assert res.exit_code == 2 and "model.safetensors: not a valid safetensors file" in " ".join(res.output.split())
 
 
-def test_eval_names_an_unknown_task_before_loading_anything(model_dir, tmp_path, monkeypatch):
+def test_eval_names_an_unknown_task_before_loading_anything(model_dir, tmp_path, no_model_load):
     pytest.importorskip("lm_eval")
-    import quantkit.models
-
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before the tasks were checked")
-
-    monkeypatch.setattr(quantkit.models, "load_model", no_load)
     res = run("eval", model_dir, "--tasks", "lambada_openai,nosuchtask", "--device", "cpu", "--out", tmp_path / "out")
     assert res.exit_code == 2 and "unknown task(s) nosuchtask" in " ".join(res.output.split())
 
