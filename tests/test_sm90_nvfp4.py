@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -459,6 +460,7 @@ COMPILE_CASES = [  # (mode, bn, warpgroups, splits, epilogue[, variant]): every 
     ("w4a16", 256, 2, 1, Epilogue(bias=True, activation="swiglu")),  # SwiGLU's exchange in the drained stages
     ("w4a8", 256, 1, 1, Epilogue(bias=True), "persistent"),  # W4A8 one-warpgroup grids: persistent,
     ("w4a8", 256, 1, 2, Epilogue(activation="gelu_tanh"), "cluster"),  # or within half a wave K-split
+    ("w4a8", 256, 2, 1, Epilogue(bias=True, residual=True), "decoder"),  # weights decoded by the producer warpgroup
 ]
 
 
@@ -473,9 +475,9 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         for i, (mode, bn, wg, sp, bias, act, res, variant) in enumerate(json.loads(sys.argv[1])):
             d = os.path.join({str(tmp_path)!r}, str(i))
             os.makedirs(d)
-            persistent = variant == "persistent"
+            persistent = variant in ("persistent", "decoder")
             cfg = ng.Config(bn, wg, 3, sp, pdl=i % 2 == 0 and not persistent, batched=bn <= 16, persistent=persistent,
-                            cluster=variant == "cluster")
+                            cluster=variant == "cluster", decoder=variant == "decoder")
             ng.compile_gemm(cfg, Epilogue(bias=bias, activation=act, residual=res), mode == "w4a8",
                             arch="sm_90a", options=f"--keep-ptx --dump-dir {{d}}")
         for held in nw8.HELD:
@@ -492,10 +494,20 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
 
     for i, (mode, bn, wg, splits, epi, *variant) in enumerate(COMPILE_CASES):
         text = ptx(str(i))
-        persistent, cluster = variant == ["persistent"], variant == ["cluster"]
+        persistent, cluster, decoder = variant in (["persistent"], ["decoder"]), variant == ["cluster"], variant == ["decoder"]
         assert ".target sm_90a" in text
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
+        # the weight operand: registers decoded by the consumer, or (decoder) two smem descriptors, the
+        # decoded tile written by 4-byte stores, 4 words of each k32 block of both row blocks, then fenced
+        # for the WGMMAs' (async proxy) reads
+        # (32 more stores than the register-decode persistent kernel with the same output staging)
+        operands = re.findall(r"wgmma\.mma_async[^;]*?\}, (\{|%rd)", text)
+        assert operands and set(operands) == ({"%rd"} if decoder else {"{"})
+        assert ("fence.proxy.async.shared::cta" in text) == decoder
+        if decoder:
+            twin = COMPILE_CASES.index(("w4a8", bn, wg, splits, Epilogue(residual=epi.residual), "persistent"))
+            assert text.count("st.shared.b32") == ptx(str(twin)).count("st.shared.b32") + 32
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
         assert ("atom.global.acq_rel.add" in text) == (splits > 1 and not cluster)  # split-K turnstile only when split
         # a cluster's split 0 adds each peer's partial from distributed shared memory: per thread,
@@ -701,7 +713,9 @@ def _epilogue_f64(acc, epi: Epilogue, bias, residual):
     return y
 
 
-def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
+def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0, twin=None):
+    """(out, float64 reference) of one random case; with ``twin``, also the output of that config
+    on the same inputs."""
     torch.manual_seed(seed)
     dev = "cuda"
     w = torch.randn(n, k, device=dev) * 0.05
@@ -717,12 +731,13 @@ def _gpu_case(m, n, k, epi, seed, mode, config=None, out_offset=0):
     out = torch.full((m * n_out + out_offset,), float("nan"), dtype=torch.bfloat16, device=dev)[out_offset:].view(m, n_out)
     fn = nw8.nvfp4_w4a8 if mode == "w4a8" else ng.nvfp4_w4a16
     fn(x, prep, epi, bias, res, config=config, out=out)
+    twin_out = None if twin is None else fn(x, prep, epi, bias, res, config=twin, out=torch.full_like(out, float("nan")))
     if mode == "w4a8":
         acc = w4a8.accumulate(x.cpu(), qw.data.cpu(), qw.scale.cpu(), qw.tensor_scale.cpu()).double().to(dev)
     else:
         acc = x.double() @ (dequant_f64(qw.data.cpu(), qw.scale.cpu()).to(dev) * qw.tensor_scale.double()).T
     ref = _epilogue_f64(acc, epi, bias, res)
-    return out, ref
+    return (out, ref) if twin is None else (out, ref, twin_out)
 
 
 @pytest.mark.gpu
@@ -865,6 +880,29 @@ def test_gpu_persistent_matches_float64_reference(mode, config, epi):
     """Persistent CTAs looping over more output tiles than there are SMs (a partial last token tile)."""
     out, ref = _gpu_case(1000, 8192, 1024, epi, seed=5, mode=mode, config=config)
     assert torch.isfinite(out).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 4e-3, err
+
+
+DECODER_CASES = [  # (m, n, k, epilogue, tokens_fastest): 2-16 k-tiles, fewer or more tiles than SMs
+    (1000, 8192, 256, Epilogue(bias=True, residual=True), True),  # weight copies run 2 k-tiles ahead: across tiles
+    (2048, 4096, 2048, Epilogue(activation="silu"), True),
+    (300, 2048, 1024, Epilogue(activation="gelu_tanh", residual=True), False),  # one tile per CTA
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("m,n,k,epi,tokens_fastest", DECODER_CASES)
+def test_gpu_decoder_warpgroup_equals_register_decode(m, n, k, epi, tokens_fastest, stages):
+    """W4A8 with a decoder warpgroup (decoded E4M3 weight tiles in shared memory, both WGMMA
+    operands from shared memory) gives the register-decode kernel's outputs bit for bit, and the
+    float64 reference's within the W4A8 tolerance."""
+    base = ng.Config(256, 2, stages, 1, persistent=True, tokens_fastest=tokens_fastest)
+    out, ref, out_rs = _gpu_case(m, n, k, epi, seed=k, mode="w4a8", config=dataclasses.replace(base, decoder=True),
+                                 twin=base)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, out_rs)
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 4e-3, err
 
