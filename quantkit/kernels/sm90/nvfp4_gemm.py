@@ -966,10 +966,7 @@ def _kernel_class():
                 wpipe.producer_acquire(w_state)
                 self.load_weights(wpipe, w_state, wbuf_addr, tiles_ptr, bx_w, k_tiles, w_kt)
                 w_state.advance()
-                w_kt = w_kt + 1
-                if w_kt == k_tiles:
-                    w_kt = Int32(0)
-                    w_t = w_t + grid_x
+                w_t, w_kt = self.next_cursor(w_t, w_kt, k_tiles, grid_x)
             return w_t, w_kt, w_state
 
         @cute.jit
@@ -983,11 +980,17 @@ def _kernel_class():
                           tma_bar_ptr=pipe.producer_get_barrier(x_state))
                 pipe.producer_commit(x_state)
                 x_state.advance()
-                x_kt = x_kt + 1
-                if x_kt == k_tiles:
-                    x_kt = Int32(0)
-                    x_t = x_t + grid_x
+                x_t, x_kt = self.next_cursor(x_t, x_kt, k_tiles, grid_x)
             return x_t, x_kt, x_state
+
+        @cute.jit
+        def next_cursor(self, t, kt, k_tiles, grid_x):
+            """The copy cursor after ``(tile t, k-tile kt)`` of a persistent CTA."""
+            kt = kt + 1
+            if kt == k_tiles:
+                kt = Int32(0)
+                t = t + grid_x
+            return t, kt
 
         @cute.jit
         def consumer_ss(self, pipe, dpipe, tiled_mma, sX, sA, storage, tidx, wg, bx, n_bx, n_tiles, k_tiles,
