@@ -530,6 +530,38 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         assert quant.count("ld.global.v4") == 2 * held + 4 and "ld.local" not in quant, held
 
 
+def test_decoded_weight_offsets_follow_the_wgmma_smem_layout(tmp_path):
+    """A decoder config's stores (``decoded_offset``) put E4M3 weight (row, k) where the WGMMA's
+    shared-memory descriptor reads it: CuTe's 128-byte-swizzle K-major layout of the decoded stages."""
+    pytest.importorskip("cutlass")
+    script = textwrap.dedent("""
+        import os
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        import cutlass, cutlass.cute as cute
+        import cutlass.utils.hopper_helpers as sm90_utils
+        from quantkit.kernels.sm90 import nvfp4_gemm as ng
+
+        @cute.jit
+        def check():
+            e4m3 = cutlass.Float8E4M3FN
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, e4m3, ng.BK), e4m3)
+            layout = cute.tile_to_shape(atom, (2 * ng.ROWS, ng.BK, ng.DECODED_STAGES), order=(0, 1, 2))
+            stage = 2 * ng.ROWS * ng.BK
+            bad = [(r, k, s) for s in range(ng.DECODED_STAGES) for r in range(2 * ng.ROWS) for k in range(ng.BK)
+                   if cute.crd2idx((r, k, s), layout) != s * stage + ng.decoded_offset(r, k)]
+            print("MISPLACED", len(bad), bad[:4])
+
+        check()
+    """)
+    (tmp_path / "check.py").write_text(script)  # cute.jit reads its function's source file
+    proc = subprocess.run([sys.executable, str(tmp_path / "check.py")], capture_output=True, text=True,
+                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MISPLACED 0 []" in proc.stdout, proc.stdout
+
+
 def test_rule_cluster_configs_compile_for_sm90a(tmp_path):
     """Every cluster or one-wave short-split config the rule picks for the Llama-3 8B/70B shapes
     (and Qwen2.5-7B's down_proj, Llama-3.1-8B's k/v_proj) at 16-128 tokens (4-16 stages; SwiGLU's

@@ -305,6 +305,13 @@ DECODED_STAGES = 2  # its decoded E4M3 weight stages
 DECODER_REGS, DECODER_CONSUMER_REGS = 88, 208
 
 
+def decoded_offset(row, k):
+    """Byte offset of E4M3 weight ``(row, k)`` in a decoded stage of a decoder config: rows of ``BK``
+    bytes whose 16-byte chunks are XOR-swizzled by ``row % 8`` (the WGMMA's 128-byte-swizzle K-major
+    layout, as the activation stages); ints or CuTeDSL integers."""
+    return row * BK + (k ^ ((row % 8) << 4))
+
+
 def pipeline_bytes(config: Config, w4a8: bool) -> int:
     """Shared memory of ``config``'s pipeline stages (with ``decoder``: activation, weight and
     decoded E4M3 weight stages apart)."""
@@ -917,7 +924,7 @@ def _kernel_class():
             rs = cute.make_rmem_tensor((4, self.wgs), Uint32)
             krows = cute.make_rmem_tensor((self.wgs,), Uint32)
             r = 16 * v + lane // 4
-            a_addr = a_ptr.toint() + r * BK + ((4 * (lane % 4)) ^ ((lane // 4) << 4))  # row r, slot 4c, swizzled
+            a_base = a_ptr.toint()
             w_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECODER_WEIGHT_STAGES)
             d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECODED_STAGES)
             for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
@@ -936,19 +943,20 @@ def _kernel_class():
                         for h in cutlass.range_constexpr(2):
                             cute.autovec_copy(sCode[None, h, ct, w_read.index], rc[None, h, rbi])
                         cute.autovec_copy(sScale[None, ct // 4, w_read.index], rs[None, rbi])
+                    cute.arch.sync_warp()  # every lane has read the stage
                     wpipe.consumer_release(w_read)
                     w_read.advance()
                     # decode before waiting for a free decoded stage: only the stores wait
                     words = [[w4a8_words(rc[None, None, rbi], rs[None, rbi], krows[rbi], i) for i in range(self.mma_k)]
                              for rbi in range(self.wgs)]
                     dpipe.producer_acquire(d_state)
-                    stage_addr = a_addr + d_state.index * (ROWS * self.wgs * BK)
+                    stage_addr = a_base + d_state.index * (ROWS * self.wgs * BK)
                     for rbi in cutlass.range_constexpr(self.wgs):
                         for i in cutlass.range_constexpr(self.mma_k):
                             for half in cutlass.range_constexpr(2):
                                 for rh in cutlass.range_constexpr(2):  # rows r, r + 8
-                                    # K byte 32i + 16 half + 4c: XOR-ing 32i + 16 half into the swizzled slot
-                                    st_shared_b32(stage_addr + (ROWS * rbi + 8 * rh) * BK + ((2 * i + half) << 4),
+                                    row = ROWS * rbi + 8 * rh + r
+                                    st_shared_b32(stage_addr + decoded_offset(row, 32 * i + 16 * half + 4 * (lane % 4)),
                                                   words[rbi][i][half][rh])
                     cute.arch.fence_view_async_shared()  # the WGMMAs read what these stores wrote
                     dpipe.producer_commit(d_state)
