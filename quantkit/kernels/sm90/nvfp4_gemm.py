@@ -249,10 +249,11 @@ class Config:
     # The ``splits`` CTAs of a tile form one thread-block cluster: split 0 adds the others' partials
     # from their shared memory (distributed shared memory) instead of the global split-K turnstile.
     cluster: bool = False
+    # Compiled and CPU-checked, not yet run on a GPU (off by default; benchmarks/NOTES.md session 52).
     # W4A8, persistent, two warpgroups: the producer warpgroup decodes the weights into E4M3 tiles in
     # shared memory (``DECODED_STAGES`` of them, fed by ``DECODER_WEIGHT_STAGES`` weight stages of
     # their own) and the consumers' WGMMAs read both operands from shared memory; ``stages`` counts
-    # the activation stages.
+    # the activation stages (at least 3: the decode of k-tile j waits for the release of j - 2).
     decoder: bool = False
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
