@@ -724,20 +724,7 @@ def _kernel_class():
                 Float32, (1, 1, 1), tiler_mn=(ROWS, cfg.bn), a_source=a_source)
             tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(x_smem, (None, None, 0)), (cfg.bn, BK))
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
-                mbar_dec: cute.struct.MemRange[Int64, 2 * (DECODER_WEIGHT_STAGES + DECODED_STAGES) if cfg.decoder else 2]
-                flag: cute.struct.MemRange[Int32, 4]
-                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.weight_stages * self.wgs * TILE_BYTES], 128]
-                sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem) if cfg.decoder else 16], 1024]
-                xchg: cute.struct.Align[cute.struct.MemRange[Float32, exchange_bytes(cfg, self.epi) // 4 or 4], 16]
-                stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
-                    self.epi) if cfg.persistent else 16], 16]
-
-            self.shared_storage = SharedStorage
+            self.shared_storage = self.shared_storage_type(x_smem, a_smem)
             n_bx = n_pad // (ROWS * self.wgs)
             grid = (n_bx, (m + cfg.bn - 1) // cfg.bn, cfg.splits)
             n_tiles = grid[0] * grid[1]
@@ -749,6 +736,28 @@ def _kernel_class():
                 grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl, **cluster,
                 # large accumulators: let ptxas use the whole register file for one CTA
                 min_blocks_per_mp=1 if cfg.bn >= 128 else 0)
+
+        def shared_storage_type(self, x_smem, a_smem):
+            """The CTA's shared memory: barriers, weight and activation stages, the SwiGLU exchange, the
+            output staging; with ``decoder`` also the decoded weight stages and their barriers (other
+            configs keep the layout they had without them)."""
+            cfg = self.cfg
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
+                if cfg.decoder:
+                    mbar_dec: cute.struct.MemRange[Int64, 2 * (DECODER_WEIGHT_STAGES + DECODED_STAGES)]
+                flag: cute.struct.MemRange[Int32, 4]
+                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.weight_stages * self.wgs * TILE_BYTES], 128]
+                sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
+                if cfg.decoder:
+                    sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+                xchg: cute.struct.Align[cute.struct.MemRange[Float32, exchange_bytes(cfg, self.epi) // 4 or 4], 16]
+                stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
+                    self.epi) if cfg.persistent else 16], 16]
+
+            return SharedStorage
 
         @cute.kernel
         def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tiles_ptr: Int64,
