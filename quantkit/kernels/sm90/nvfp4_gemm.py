@@ -317,8 +317,8 @@ def pipeline_bytes(config: Config, w4a8: bool) -> int:
     """Shared memory of ``config``'s pipeline stages (with ``decoder``: activation, weight and
     decoded E4M3 weight stages apart)."""
     if config.decoder:
-        rows = ROWS * config.warpgroups
-        return config.stages * config.bn * BK + DECODER_WEIGHT_STAGES * rows // ROWS * TILE_BYTES + DECODED_STAGES * rows * BK
+        wgs = config.warpgroups
+        return config.stages * config.bn * BK + DECODER_WEIGHT_STAGES * wgs * TILE_BYTES + DECODED_STAGES * wgs * ROWS * BK
     return config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
 
 
