@@ -499,9 +499,9 @@ def test_every_config_compiles_for_sm90a_with_wgmma(tmp_path):
         kind = "e4m3.e4m3" if mode == "w4a8" else "bf16.bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{bn}k{32 if mode == 'w4a8' else 16}.f32.{kind}" in text
         # the weight operand: registers decoded by the consumer, or (decoder) two smem descriptors, the
-        # decoded tile written by 4-byte stores, 4 words of each k32 block of both row blocks, then fenced
-        # for the WGMMAs' (async proxy) reads
-        # (32 more stores than the register-decode persistent kernel with the same output staging)
+        # decoded tile written by 4-byte stores (4 words per k32 block and row block: 32 more than the
+        # register-decode persistent kernel with the same output staging), then fenced for the WGMMAs'
+        # (async proxy) reads
         operands = re.findall(r"wgmma\.mma_async[^;]*?\}, (\{|%rd)", text)
         assert operands and set(operands) == ({"%rd"} if decoder else {"{"})
         assert ("fence.proxy.async.shared::cta" in text) == decoder
