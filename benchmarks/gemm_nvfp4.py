@@ -382,73 +382,42 @@ def run_variants(shapes, fh, ms=(1, 16)):
     return rows
 
 
-def prefill_cases(shapes, ms):
-    """Per weight of ``shapes`` and token count of ``ms``: ``(label, m, preps, x, xq, xs, fns)``, the
-    weight's rotated prepared copies, bf16 activations and their W4A8 quantization, and ``fns``
-    holding bf16 ``F.linear`` and (``M % 16 == 0``) FP8 ``_scaled_mm`` for the caller's rounds."""
-    for name in shapes:
-        for n, k in SHAPES[name]:
-            _, preps, bf16s = weight_copies(n, k)
-            fp8s = fp8_weights(n, k)
-            for m in ms:
-                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                xq, xs = nw8.quantize_activation(x)
-                fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
-                if m % 16 == 0:
-                    fns["fp8_mm"] = fp8_mm_fns(x, fp8s)
-                yield f"{name} {n}x{k}", m, preps, x, xq, xs, fns
-            del preps, bf16s, fp8s
-            torch.cuda.empty_cache()
-
-
 def run_persistent_ab(shapes, fh, ms=(1024, 4096)):
     """Prefill: the default config (persistent where ``pick_config`` says so) against the same tile
     as one CTA per tile at its deepest pipeline (the rule before session 13) and, if persistent, in
     the other tile order (token tiles or weight row blocks fastest), for W4A8 (GEMM on quantized
     activations) and W4A16, beside bf16 ``F.linear`` and FP8 ``_scaled_mm``: 3 interleaved rounds."""
     rows = []
-    for label, m, preps, x, xq, xs, fns in prefill_cases(shapes, ms):
-        n_pad, k = preps[0].row_exp.shape[0], x.shape[1]
-        for mode in ("w4a8", "w4a16"):
-            w4a8_mode = mode == "w4a8"
-            new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
-            deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
-            old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
-            cfgs = [new, old]
-            if new.persistent:  # and the other tile order
-                cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
-            for cfg in cfgs:
-                if w4a8_mode:
-                    fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
-                                            for p in preps]
-                else:
-                    fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
-        row = {"shape": label, "m": m, "us": interleaved_us(fns)}
-        rows.append(row)
-        log("PAB " + json.dumps(row), fh)
-    return rows
-
-
-def run_decoder_ab(shapes, fh, ms=(4096,)):
-    """W4A8 prefill: the rule's persistent two-warpgroup 256-token config against the same tile with
-    a decoder warpgroup (``Config.decoder``, 3 and 4 activation stages), the GEMM alone and with its
-    activation quantization, beside bf16 ``F.linear`` and FP8 ``_scaled_mm``: 3 interleaved rounds."""
-    rows = []
-    for label, m, preps, x, xq, xs, fns in prefill_cases(shapes, ms):
-        rule = ng.pick_config(m, preps[0].row_exp.shape[0], x.shape[1], Epilogue(), True)
-        cfgs = {"rule": rule}
-        for stages in (3, 4):
-            dec = dataclasses.replace(rule, stages=stages, decoder=True)
-            if ng.fits(dec, Epilogue(), True):
-                cfgs[f"decoder{stages}"] = dec
-        for name, cfg in cfgs.items():
-            fns[f"gemm {name}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c) for p in preps]
-            fns[f"linear {name}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8(x, p, config=c) for p in preps]
-        row = {"shape": label, "m": m, "configs": {lb: str(c) for lb, c in cfgs.items()}, "us": interleaved_us(fns)}
-        med = medians(row["us"])
-        row["x_bf16"] = {f: med["bf16"] / t for f, t in med.items() if f != "bf16"}
-        rows.append(row)
-        log("DEC " + json.dumps(row), fh)
+    for name in shapes:
+        for n, k in SHAPES[name]:
+            _, preps, bf16s = weight_copies(n, k)
+            fp8s = fp8_weights(n, k)
+            n_pad = preps[0].row_exp.shape[0]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                xq, xs = nw8.quantize_activation(x)
+                fns = {"bf16": [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16s]}
+                if m % 16 == 0:
+                    fns["fp8_mm"] = fp8_mm_fns(x, fp8s)
+                for mode in ("w4a8", "w4a16"):
+                    w4a8_mode = mode == "w4a8"
+                    new = ng.pick_config(m, n_pad, k, Epilogue(), w4a8_mode)
+                    deepest = [ng.Config(new.bn, new.warpgroups, s, new.splits) for s in range(8, 2, -1)]
+                    old = next(c for c in deepest if ng.fits(c, Epilogue(), w4a8_mode))
+                    cfgs = [new, old]
+                    if new.persistent:  # and the other tile order
+                        cfgs.append(dataclasses.replace(new, tokens_fastest=not new.tokens_fastest))
+                    for cfg in cfgs:
+                        if w4a8_mode:
+                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: nw8.nvfp4_w4a8_quantized(xq, xs, p, config=c)
+                                                    for p in preps]
+                        else:
+                            fns[f"{mode} {cfg}"] = [lambda p=p, c=cfg: ng.nvfp4_w4a16(x, p, config=c) for p in preps]
+                row = {"shape": f"{name} {n}x{k}", "m": m, "us": interleaved_us(fns)}
+                rows.append(row)
+                log("PAB " + json.dumps(row), fh)
+            del preps, bf16s, fp8s
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -960,7 +929,6 @@ def main():
                     help="only: partial token tiles through the padded copy vs x's own rows (PAD_MS)")
     ap.add_argument("--floors", action="store_true", help="only: M=1 against a plain read of the same bytes")
     ap.add_argument("--persistent-ab", action="store_true", help="only: prefill persistent vs one CTA per tile")
-    ap.add_argument("--decoder-ab", action="store_true", help="only: W4A8 prefill with and without a decoder warpgroup")
     ap.add_argument("--cluster-ab", action="store_true",
                     help="only: K-split grids through the turnstile vs as clusters, at --ms")
     ap.add_argument("--short-ab", action="store_true",
@@ -979,7 +947,6 @@ def main():
         "floors": ("floors", lambda fh: run_floors(fh)),
         "act_quant_sweep": ("aq", lambda fh: run_act_quant_sweep(fh)),
         "persistent_ab": ("pab", lambda fh: run_persistent_ab(args.shapes, fh, args.w4a8_ms)),
-        "decoder_ab": ("decoder", lambda fh: run_decoder_ab(args.shapes, fh, args.w4a8_ms)),
         "cluster_ab": ("cluster", lambda fh: run_cluster_ab(args.shapes, fh, args.ms)),
         "short_ab": ("short", lambda fh: run_cluster_ab(args.shapes, fh, args.ms, short_tile_contenders)),
         "halved_ab": ("halved", lambda fh: run_cluster_ab(args.shapes, fh, args.ms, halved_split_contenders)),

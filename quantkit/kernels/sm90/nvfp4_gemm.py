@@ -249,12 +249,6 @@ class Config:
     # The ``splits`` CTAs of a tile form one thread-block cluster: split 0 adds the others' partials
     # from their shared memory (distributed shared memory) instead of the global split-K turnstile.
     cluster: bool = False
-    # Compiled and CPU-checked, not yet run on a GPU (off by default; benchmarks/NOTES.md session 52).
-    # W4A8, persistent, two warpgroups: the producer warpgroup decodes the weights into E4M3 tiles in
-    # shared memory (``DECODED_STAGES`` of them, fed by ``DECODER_WEIGHT_STAGES`` weight stages of
-    # their own) and the consumers' WGMMAs read both operands from shared memory; ``stages`` counts
-    # the activation stages (at least 3: the decode of k-tile j waits for the release of j - 2).
-    decoder: bool = False
 
     def check(self, epilogue: Epilogue, w4a8: bool) -> None:
         """Raise ValueError if this config cannot run ``epilogue`` in this mode (W4A8 or W4A16)."""
@@ -265,10 +259,7 @@ class Config:
         if self.cluster and not (2 <= self.splits <= 8 and self.stages >= (2 if w4a8 else 1) * self.warpgroups):
             raise ValueError(f"{self}: a cluster split needs 2..8 splits, and its partial tile must fit the "
                              "activation stages it reuses (W4A8: stages >= 2 x warpgroups)")
-        if self.decoder and not (w4a8 and self.persistent and self.warpgroups == 2 and self.bn == 256
-                                 and epilogue.activation != "swiglu"):
-            raise ValueError(f"{self}: a decoder warpgroup serves W4A8 persistent two-warpgroup 256-token tiles, no SwiGLU")
-        need = pipeline_bytes(self, w4a8) + _SMEM_RESERVE + exchange_bytes(self, epilogue)
+        need = self.stages * stage_bytes(self.bn, self.warpgroups, w4a8) + _SMEM_RESERVE + exchange_bytes(self, epilogue)
         if need > _SMEM or staging_tokens(self, epilogue, w4a8) < 8:
             raise ValueError(f"{self} needs {need} bytes of shared memory in {'W4A8' if w4a8 else 'W4A16'} mode"
                              f"{' and room to stage the output' if self.persistent else ''}; an sm90 CTA has "
@@ -300,28 +291,6 @@ def stage_bytes(bn: int, warpgroups: int, w4a8: bool) -> int:
     return warpgroups * TILE_BYTES + bn * BK * (1 if w4a8 else 2)
 
 
-DECODER_WEIGHT_STAGES = 3  # weight stages of a decoder-warpgroup config (Config.decoder)
-DECODED_STAGES = 2  # its decoded E4M3 weight stages
-# setmaxnreg of a decoder config: the 384-thread launch's 168 per thread, moved to the consumers
-DECODER_REGS, DECODER_CONSUMER_REGS = 88, 208
-
-
-def decoded_offset(row, k):
-    """Byte offset of E4M3 weight ``(row, k)`` in a decoded stage of a decoder config: rows of ``BK``
-    bytes whose 16-byte chunks are XOR-swizzled by ``row % 8`` (the WGMMA's 128-byte-swizzle K-major
-    layout, as the activation stages); ints or CuTeDSL integers."""
-    return row * BK + (k ^ ((row % 8) << 4))
-
-
-def pipeline_bytes(config: Config, w4a8: bool) -> int:
-    """Shared memory of ``config``'s pipeline stages (with ``decoder``: activation, weight and
-    decoded E4M3 weight stages apart)."""
-    if config.decoder:
-        wgs = config.warpgroups
-        return config.stages * config.bn * BK + DECODER_WEIGHT_STAGES * wgs * TILE_BYTES + DECODED_STAGES * wgs * ROWS * BK
-    return config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
-
-
 def max_stages(bn: int, warpgroups: int, w4a8: bool, ctas_per_sm: int = 1) -> int:
     """The most pipeline stages that leave room for ``ctas_per_sm`` such (non-persistent) CTAs on an SM."""
     return (_SMEM // ctas_per_sm - _SMEM_RESERVE) // stage_bytes(bn, warpgroups, w4a8)
@@ -346,7 +315,7 @@ def staging_tokens(config: Config, epilogue: Epilogue, w4a8: bool) -> int:
     and warpgroup): the most (a power of two, at most ``bn``) that fit the drained pipeline's
     shared memory, or in a persistent kernel the memory the stages and the SwiGLU exchange leave
     (the pipeline is then already filling for the next tile)."""
-    pipe = pipeline_bytes(config, w4a8)
+    pipe = config.stages * stage_bytes(config.bn, config.warpgroups, w4a8)
     room = _SMEM - _SMEM_RESERVE - pipe - exchange_bytes(config, epilogue) if config.persistent else pipe
     tokens = config.bn
     while tokens and config.warpgroups * tokens * staging_row_bytes(epilogue) > room:
@@ -622,12 +591,6 @@ def _kernel_class():
         )
 
     @dsl_user_op
-    def st_shared_b32(addr, word, *, loc=None, ip=None):
-        """A 4-byte shared-memory store of ``word`` at the shared address ``addr``."""
-        llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
-                        "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)
-
-    @dsl_user_op
     def st_global_bf16x8(addr, vals, *, loc=None, ip=None):
         """One 16-byte global store at ``addr`` of 8 FP32 values rounded to bf16 (RNE), in order."""
         llvm.inline_asm(
@@ -649,25 +612,6 @@ def _kernel_class():
         bits = (Int32(e) + 127) << 23
         return Float32(llvm.bitcast(T.f32(), bits.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
-    def w4a8_words(rc, rs, krows, i: int):
-        """W4A8 decode of k32 block ``i`` (16-K words ``2i, 2i+1`` of ``rc``, scale word ``rs[i]``,
-        row shifts ``krows``): per K-half, the E4M3x4 words of rows r and r+8 (k, k+1, k+8, k+9 of the
-        half's 16-K block: the FP8 fragment's slots 4c..4c+3)."""
-        out = []
-        for half in range(2):
-            b = 2 * i + half
-            q = rc[b % 4, b // 4]
-            e = (rs[i] >> (8 * half)) & Uint32(0x00FF00FF)
-            sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(14 - c)
-            p = []
-            for j in range(4):
-                # f16 wants the magnitude 3 bits higher than bf16: bits 9-11 / 25-27
-                mag = rotl(q, (MAG_ROT[j] + 3) % 32) & Uint32(0x0E000E00)
-                sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
-                p.append(mul_x2_bcast(mag | sign, sc, j % 2 == 1, True))
-            out.append((f16x2x2_to_e4m3x4(p[0], p[2]), f16x2x2_to_e4m3x4(p[1], p[3])))
-        return out
-
     class Nvfp4GemmSm90:
         """One (mode, config, epilogue, bias dtype) kernel; call through ``cute.compile``."""
 
@@ -686,7 +630,6 @@ def _kernel_class():
             self.threads = 128 * (self.wgs + 1)
             self.rebalance = self.wgs == 2 and config.bn >= 128
             self.stage_tokens = staging_tokens(config, epilogue, w4a8)
-            self.weight_stages = DECODER_WEIGHT_STAGES if config.decoder else config.stages
 
         @cute.jit
         def __call__(self, x_ptr: Int64, tiles_ptr: Int64, exp_ptr: Int64, xs_ptr: Int64, gs_ptr: Int64,
@@ -716,15 +659,23 @@ def _kernel_class():
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, BK), self.ab_dtype)
             x_smem = cute.tile_to_shape(atom, (cfg.bn, BK, cfg.stages), order=(0, 1, 2))
-            # the decoded weights of a decoder config: E4M3 [128 rows, BK] tiles in the activations' layout
-            a_smem = cute.tile_to_shape(atom, (ROWS * self.wgs, BK, DECODED_STAGES), order=(0, 1, 2))
-            a_source = warpgroup.OperandSource.SMEM if cfg.decoder else warpgroup.OperandSource.RMEM
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                Float32, (1, 1, 1), tiler_mn=(ROWS, cfg.bn), a_source=a_source)
+                Float32, (1, 1, 1), tiler_mn=(ROWS, cfg.bn), a_source=warpgroup.OperandSource.RMEM)
             tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(x_smem, (None, None, 0)), (cfg.bn, BK))
-            self.shared_storage = self.shared_storage_type(x_smem, a_smem)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
+                flag: cute.struct.MemRange[Int32, 4]
+                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * self.wgs * TILE_BYTES], 128]
+                sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
+                xchg: cute.struct.Align[cute.struct.MemRange[Float32, exchange_bytes(cfg, self.epi) // 4 or 4], 16]
+                stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
+                    self.epi) if cfg.persistent else 16], 16]
+
+            self.shared_storage = SharedStorage
             n_bx = n_pad // (ROWS * self.wgs)
             grid = (n_bx, (m + cfg.bn - 1) // cfg.bn, cfg.splits)
             n_tiles = grid[0] * grid[1]
@@ -732,39 +683,17 @@ def _kernel_class():
                 grid = (cutlass.min(n_tiles, self.num_sms), 1, 1)
             cluster = {"cluster": (1, 1, cfg.splits)} if cfg.cluster else {}
             self.kernel(tma_x, tX, tiles_ptr, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr,
-                        m, n_out, n_rows, k, n_bx, n_tiles, tiled_mma, x_smem, a_smem).launch(
+                        m, n_out, n_rows, k, n_bx, n_tiles, tiled_mma, x_smem).launch(
                 grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=cfg.pdl, **cluster,
                 # large accumulators: let ptxas use the whole register file for one CTA
                 min_blocks_per_mp=1 if cfg.bn >= 128 else 0)
-
-        def shared_storage_type(self, x_smem, a_smem):
-            """The CTA's shared memory: barriers, weight and activation stages, the SwiGLU exchange, the
-            output staging; with ``decoder`` also the decoded weight stages and their barriers (other
-            configs keep the layout they had without them)."""
-            cfg = self.cfg
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[Int64, cfg.stages * 2]
-                if cfg.decoder:
-                    mbar_dec: cute.struct.MemRange[Int64, 2 * (DECODER_WEIGHT_STAGES + DECODED_STAGES)]
-                flag: cute.struct.MemRange[Int32, 4]
-                wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.weight_stages * self.wgs * TILE_BYTES], 128]
-                sX: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(x_smem)], 1024]
-                if cfg.decoder:
-                    sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-                xchg: cute.struct.Align[cute.struct.MemRange[Float32, exchange_bytes(cfg, self.epi) // 4 or 4], 16]
-                stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wgs * self.stage_tokens * staging_row_bytes(
-                    self.epi) if cfg.persistent else 16], 16]
-
-            return SharedStorage
 
         @cute.kernel
         def kernel(self, tma_x: cute.CopyAtom, mX_tma: cute.Tensor, tiles_ptr: Int64,
                    mExp: cute.Tensor | None, mXs: cute.Tensor | None, mGs: cute.Tensor, mOut: cute.Tensor,
                    mBias: cute.Tensor | None, mRes: cute.Tensor | None, ws_ptr: Int64, cnt_ptr: Int64,
                    m: Int32, n_out: Int32, n_rows: Int32, k: Int32, n_bx: Int32, n_tiles: Int32,
-                   tiled_mma: cute.TiledMma, x_smem: cute.ComposedLayout, a_smem: cute.ComposedLayout):
+                   tiled_mma: cute.TiledMma, x_smem: cute.ComposedLayout):
             cfg = self.cfg
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -782,22 +711,10 @@ def _kernel_class():
                 num_stages=cfg.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),
-                tx_count=(0 if cfg.decoder else self.wgs * TILE_BYTES) + x_stage_bytes,
+                tx_count=self.wgs * TILE_BYTES + x_stage_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
-            wpipe, dpipe = None, None
-            if cutlass.const_expr(cfg.decoder):
-                # weights -> the decoder warpgroup (one arrive per warp); decoded tiles -> the consumers
-                wpipe = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.mbar_dec.data_ptr(), num_stages=DECODER_WEIGHT_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-                    tx_count=self.wgs * TILE_BYTES, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-                dpipe = pipeline.PipelineAsync.create(
-                    barrier_storage=storage.mbar_dec.data_ptr() + 2 * DECODER_WEIGHT_STAGES, num_stages=DECODED_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs), defer_sync=True)
             pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
             sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
             wbuf = storage.wbuf.data_ptr()
@@ -807,17 +724,7 @@ def _kernel_class():
             kt_end = (bz + 1) * k_tiles // cfg.splits
             pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-            if cutlass.const_expr(cfg.decoder):
-                sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-                if warp_idx >= self.producer_warp:
-                    cute.arch.setmaxregister_decrease(DECODER_REGS)
-                    self.decoder_wg(pipe, wpipe, dpipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, storage.sA.data_ptr(), mExp,
-                                    tidx, warp_idx - self.producer_warp, bx, n_bx, n_tiles, k_tiles)
-                else:
-                    cute.arch.setmaxregister_increase(DECODER_CONSUMER_REGS)
-                    self.consumer_ss(pipe, dpipe, tiled_mma, sX, sA, storage, tidx, warp_idx // 4, bx, n_bx, n_tiles,
-                                     k_tiles, mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows)
-            elif warp_idx >= self.producer_warp:
+            if warp_idx >= self.producer_warp:
                 if cutlass.const_expr(self.rebalance):
                     cute.arch.setmaxregister_decrease(40)
                 if warp_idx == self.producer_warp:
@@ -903,169 +810,6 @@ def _kernel_class():
                     bulk_g2s(dst, src, TILE_BYTES, bar.toint())
 
         @cute.jit
-        def decoder_wg(self, pipe, wpipe, dpipe, tma_x, mX_tma, sX, wbuf, tiles_ptr, a_ptr, mExp, tidx, v, bx, n_bx,
-                       n_tiles, k_tiles):
-            """The producer warpgroup of a decoder config, over a persistent CTA's tiles: its warp 0
-            copies the weight tiles ``DECODER_WEIGHT_STAGES - 1`` k-tiles ahead of the decode and the
-            activations one ahead; warp ``v`` decodes, for both 64-row blocks, the rows consumer warp
-            ``v`` would hold (``16v + lane // 4`` and ``+ 8``) into the decoded stage: E4M3 bytes at the
-            K positions of those registers' FP8 fragment slots (so the consumers' WGMMAs see what
-            their register decode gave), in the 128-byte-swizzled K-major layout the WGMMA reads."""
-            cfg = self.cfg
-            lane = tidx % 32
-            ct = 32 * v + lane
-            grid_x, _, _ = cute.arch.grid_dim()
-            gX = cute.local_tile(mX_tma, (cfg.bn, BK), (None, None))
-            tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
-                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-            wbuf_addr = wbuf.toint()
-            x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-            w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECODER_WEIGHT_STAGES)
-            # copy cursors (tile, k-tile): the next weight and activation copies
-            w_t, w_kt, x_t, x_kt = bx, Int32(0), bx, Int32(0)
-            if v == 0:
-                for _ in cutlass.range_constexpr(DECODER_WEIGHT_STAGES - 1):
-                    w_t, w_kt, w_state = self.copy_weights(wpipe, w_state, wbuf_addr, tiles_ptr, w_t, w_kt, n_bx,
-                                                           n_tiles, k_tiles, grid_x)
-                x_t, x_kt, x_state = self.copy_x(pipe, x_state, tma_x, tXgX, tXsX, x_t, x_kt, n_bx, n_tiles, k_tiles,
-                                                 grid_x)
-            views = [self.weight_views(wbuf, rbi) for rbi in range(self.wgs)]
-            rc = cute.make_rmem_tensor((4, 2, self.wgs), Uint32)
-            rs = cute.make_rmem_tensor((4, self.wgs), Uint32)
-            krows = cute.make_rmem_tensor((self.wgs,), Uint32)
-            r = 16 * v + lane // 4
-            a_base = a_ptr.toint()
-            w_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECODER_WEIGHT_STAGES)
-            d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECODED_STAGES)
-            for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
-                bx_t, _ = self.tile_coords(t, n_bx, n_tiles)
-                for rbi in cutlass.range_constexpr(self.wgs):
-                    krows[rbi] = self.row_shifts(mExp, bx_t * self.wgs + rbi, ct)
-                for _kt in cutlass.range(k_tiles, unroll=1):
-                    if v == 0:
-                        w_t, w_kt, w_state = self.copy_weights(wpipe, w_state, wbuf_addr, tiles_ptr, w_t, w_kt, n_bx,
-                                                               n_tiles, k_tiles, grid_x)
-                        x_t, x_kt, x_state = self.copy_x(pipe, x_state, tma_x, tXgX, tXsX, x_t, x_kt, n_bx, n_tiles,
-                                                         k_tiles, grid_x)
-                    wpipe.consumer_wait(w_read)
-                    for rbi in cutlass.range_constexpr(self.wgs):
-                        sCode, sScale = views[rbi]
-                        for h in cutlass.range_constexpr(2):
-                            cute.autovec_copy(sCode[None, h, ct, w_read.index], rc[None, h, rbi])
-                        cute.autovec_copy(sScale[None, ct // 4, w_read.index], rs[None, rbi])
-                    cute.arch.sync_warp()  # every lane has read the stage
-                    wpipe.consumer_release(w_read)
-                    w_read.advance()
-                    # decode before waiting for a free decoded stage: only the stores wait
-                    words = [[w4a8_words(rc[None, None, rbi], rs[None, rbi], krows[rbi], i) for i in range(self.mma_k)]
-                             for rbi in range(self.wgs)]
-                    dpipe.producer_acquire(d_state)
-                    stage_addr = a_base + d_state.index * (ROWS * self.wgs * BK)
-                    for rbi in cutlass.range_constexpr(self.wgs):
-                        for i in cutlass.range_constexpr(self.mma_k):
-                            for half in cutlass.range_constexpr(2):
-                                for rh in cutlass.range_constexpr(2):  # rows r, r + 8
-                                    row = ROWS * rbi + 8 * rh + r
-                                    st_shared_b32(stage_addr + decoded_offset(row, 32 * i + 16 * half + 4 * (lane % 4)),
-                                                  words[rbi][i][half][rh])
-                    cute.arch.fence_view_async_shared()  # the WGMMAs read what these stores wrote
-                    dpipe.producer_commit(d_state)
-                    d_state.advance()
-            if v == 0:
-                pipe.producer_tail(x_state)
-                wpipe.producer_tail(w_state)
-
-        @cute.jit
-        def copy_weights(self, wpipe, w_state, wbuf_addr, tiles_ptr, w_t, w_kt, n_bx, n_tiles, k_tiles, grid_x):
-            """Decoder config: the weight copy at cursor ``(w_t, w_kt)`` if the CTA has it; returns the
-            advanced cursor and state."""
-            if w_t < n_tiles:
-                bx_w, _ = self.tile_coords(w_t, n_bx, n_tiles)
-                wpipe.producer_acquire(w_state)
-                self.load_weights(wpipe, w_state, wbuf_addr, tiles_ptr, bx_w, k_tiles, w_kt)
-                w_state.advance()
-                w_t, w_kt = self.next_cursor(w_t, w_kt, k_tiles, grid_x)
-            return w_t, w_kt, w_state
-
-        @cute.jit
-        def copy_x(self, pipe, x_state, tma_x, tXgX, tXsX, x_t, x_kt, n_bx, n_tiles, k_tiles, grid_x):
-            """Decoder config: the activation copy at cursor ``(x_t, x_kt)`` if the CTA has it; returns
-            the advanced cursor and state."""
-            if x_t < n_tiles:
-                _, by_x = self.tile_coords(x_t, n_bx, n_tiles)
-                pipe.producer_acquire(x_state)
-                cute.copy(tma_x, tXgX[(None, by_x, x_kt)], tXsX[(None, x_state.index)],
-                          tma_bar_ptr=pipe.producer_get_barrier(x_state))
-                pipe.producer_commit(x_state)
-                x_state.advance()
-                x_t, x_kt = self.next_cursor(x_t, x_kt, k_tiles, grid_x)
-            return x_t, x_kt, x_state
-
-        @cute.jit
-        def next_cursor(self, t, kt, k_tiles, grid_x):
-            """The copy cursor after ``(tile t, k-tile kt)`` of a persistent CTA."""
-            kt = kt + 1
-            if kt == k_tiles:
-                kt = Int32(0)
-                t = t + grid_x
-            return t, kt
-
-        @cute.jit
-        def consumer_ss(self, pipe, dpipe, tiled_mma, sX, sA, storage, tidx, wg, bx, n_bx, n_tiles, k_tiles,
-                        mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows):
-            """A consumer warpgroup of a decoder config: per output tile, WGMMAs over the decoded
-            weight rows ``64 wg ..`` and the activation tile, both in shared memory, then the epilogue."""
-            cfg = self.cfg
-            ct = tidx % 128
-            thr_mma = tiled_mma.get_slice(ct)
-            sA_wg = cute.local_tile(sA, (ROWS, BK, DECODED_STAGES), (wg, 0, 0))
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA_wg))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.bn)), Float32)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            x_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-            d_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECODED_STAGES)
-            x_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-            d_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECODED_STAGES)
-            grid_x, _, _ = cute.arch.grid_dim()
-            ops = (pipe, dpipe, tiled_mma, acc, tCrA, tCrB)
-            for t in cutlass.range(bx, n_tiles, grid_x, unroll=1):
-                bx_t, by_t = self.tile_coords(t, n_bx, n_tiles)
-                acc.fill(0.0)
-                # no dynamic branch between WGMMAs: the first k-tile, with nothing to release, is peeled
-                x_read, d_read, x_done, d_done = self.ss_k_tile(*ops, x_read, d_read, x_done, d_done, False)
-                for _kt in cutlass.range(1, k_tiles, unroll=1):
-                    x_read, d_read, x_done, d_done = self.ss_k_tile(*ops, x_read, d_read, x_done, d_done, True)
-                warpgroup.wait_group(0)
-                pipe.consumer_release(x_done)
-                x_done.advance()
-                dpipe.consumer_release(d_done)
-                d_done.advance()
-                self.epilogue(acc, thr_mma, storage, tidx, ct, wg, bx_t * self.wgs + wg, bx_t, by_t, Int32(0), mExp,
-                              mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows)
-
-        @cute.jit
-        def ss_k_tile(self, pipe, dpipe, tiled_mma, acc, tCrA, tCrB, x_read, d_read, x_done, d_done,
-                      release_previous: cutlass.Constexpr[bool]):
-            """One k-tile of a decoder config's consumer: its WGMMAs, then (``release_previous``) the
-            previous k-tile's stages once its WGMMAs have retired; returns the advanced states."""
-            pipe.consumer_wait(x_read)
-            dpipe.consumer_wait(d_read)
-            warpgroup.fence()
-            for b in cutlass.range_constexpr(self.mma_k):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, b, d_read.index], tCrB[None, None, b, x_read.index], acc)
-            warpgroup.commit_group()
-            if cutlass.const_expr(release_previous):
-                warpgroup.wait_group(1)
-                pipe.consumer_release(x_done)
-                x_done.advance()
-                dpipe.consumer_release(d_done)
-                d_done.advance()
-            x_read.advance()
-            d_read.advance()
-            return x_read, d_read, x_done, d_done
-
-        @cute.jit
         def consumer(self, pipe, tiled_mma, sX, wbuf, storage, tidx, wg, bx, by, bz, n_bx, n_tiles, kt_begin, kt_end,
                      mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows):
             """One consumer warpgroup: per output tile (a persistent CTA's tiles in turn), the
@@ -1077,7 +821,14 @@ def _kernel_class():
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, cfg.bn)), Float32)
             frag = cute.recast_tensor(tCrA, Uint32)
-            sCode, sScale = self.weight_views(wbuf, wg)
+            # this warpgroup's tiles in smem, as 32-bit words: codes (4, 2, 128, stage), scales (4, 32, stage)
+            words = cute.recast_ptr(wbuf, dtype=Uint32)
+            tile_words = TILE_BYTES // 4
+            stage_words = self.wgs * tile_words
+            sCode = cute.make_tensor(words + wg * tile_words,
+                                     cute.make_layout((4, 2, 128, cfg.stages), stride=(1, 512, 4, stage_words)))
+            sScale = cute.make_tensor(words + wg * tile_words + CODE_BYTES // 4,
+                                      cute.make_layout((4, 32, cfg.stages), stride=(1, 4, stage_words)))
             rc = cute.make_rmem_tensor((4, 2), Uint32)
             rs = cute.make_rmem_tensor((4,), Uint32)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -1093,26 +844,6 @@ def _kernel_class():
             else:
                 self.tile(*ops, state, release, bx, by, bz, kt_begin, kt_end)
 
-        def weight_views(self, wbuf, wg):
-            """Warpgroup ``wg``'s weight tiles in the weight stages, as 32-bit words: codes (4, 2, 128,
-            stage) and scales (4, 32, stage)."""
-            words = cute.recast_ptr(wbuf, dtype=Uint32)
-            tile_words = TILE_BYTES // 4
-            stage_words = self.wgs * tile_words
-            sCode = cute.make_tensor(words + wg * tile_words, cute.make_layout(
-                (4, 2, 128, self.weight_stages), stride=(1, 512, 4, stage_words)))
-            sScale = cute.make_tensor(words + wg * tile_words + CODE_BYTES // 4, cute.make_layout(
-                (4, 32, self.weight_stages), stride=(1, 4, stage_words)))
-            return sCode, sScale
-
-        def row_shifts(self, mExp, rb, ct):
-            """W4A8: the f16x2 exponent offsets ``(19 - c_r) << 10 | (19 - c_{r+8}) << 26`` of consumer
-            thread ``ct``'s two rows in 64-row block ``rb`` (the decode's ``2^(14 - c)``)."""
-            r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
-            c0 = Int32(W8_EXP_BIAS) - mExp[r0]
-            c1 = Int32(W8_EXP_BIAS) - mExp[r0 + 8]
-            return (Uint32(c0) << 10) | (Uint32(c1) << 26)
-
         @cute.jit
         def tile(self, pipe, tiled_mma, acc, tCrA, tCrB, frag, sCode, sScale, rc, rs, ct, thr_mma, storage, tidx, wg,
                  mExp, mXs, mGs, mOut, mBias, mRes, ws_ptr, cnt_ptr, m, n_out, n_rows,
@@ -1121,7 +852,10 @@ def _kernel_class():
             rb = bx * self.wgs + wg  # 64-row block of the weight
             krows = Uint32(0)
             if cutlass.const_expr(self.w4a8):
-                krows = self.row_shifts(mExp, rb, ct)
+                r0 = rb * ROWS + 16 * (ct // 32) + (ct % 32) // 4
+                c0 = Int32(W8_EXP_BIAS) - mExp[r0]
+                c1 = Int32(W8_EXP_BIAS) - mExp[r0 + 8]
+                krows = (Uint32(c0) << 10) | (Uint32(c1) << 26)
             acc.fill(0.0)
 
             # No dynamic branch may sit between WGMMAs (ptxas would serialize them), hence the first
@@ -1191,10 +925,19 @@ def _kernel_class():
         @cute.jit
         def decode_w4a8(self, frag, rc, rs, krows, i: cutlass.Constexpr[int]):
             """k32 block ``i`` (16-K words 2i, 2i+1): 16 codes -> 4 E4M3x4 registers."""
-            words = w4a8_words(rc, rs, krows, i)
             for half in cutlass.range_constexpr(2):
-                frag[(0, 0, half), 0, i] = words[half][0]
-                frag[(0, 1, half), 0, i] = words[half][1]
+                b = 2 * i + half
+                q = rc[b % 4, b // 4]
+                e = (rs[i] >> (8 * half)) & Uint32(0x00FF00FF)
+                sc = e * Uint32(128) + krows  # f16x2 (s_b(r), s_b(r+8)) * 2^(14 - c)
+                p = []
+                for j in cutlass.range_constexpr(4):
+                    # f16 wants the magnitude 3 bits higher than bf16: bits 9-11 / 25-27
+                    mag = rotl(q, (MAG_ROT[j] + 3) % 32) & Uint32(0x0E000E00)
+                    sign = rotl(q, SIGN_ROT[j]) & Uint32(0x80008000)
+                    p.append(mul_x2_bcast(mag | sign, sc, j % 2 == 1, True))
+                frag[(0, 0, half), 0, i] = f16x2x2_to_e4m3x4(p[0], p[2])  # row r: k, k+1, k+8, k+9
+                frag[(0, 1, half), 0, i] = f16x2x2_to_e4m3x4(p[1], p[3])  # row r+8
 
         @cute.jit
         def epilogue(self, acc, thr_mma, storage, tidx, ct, wg, rb, bx, by, bz, mExp, mXs, mGs, mOut, mBias,
