@@ -150,11 +150,21 @@ def test_bad_shapes_are_clear_errors():
         QuantLinear.from_linear(linear, "nvfp4")
 
 
-def test_quantlinear_under_torch_compile():
-    q = QuantLinear.from_linear(linear(k=64, n=32), "nvfp4")
-    x = torch.randn(4, 64)
-    compiled = torch.compile(q, backend="aot_eager")
-    assert torch.allclose(compiled(x), q(x), rtol=0, atol=0)
+@pytest.mark.parametrize("name,ms", [("nvfp4", (3, 5, 11)), ("fp8-block", (3, 5, 11)), ("mxfp8", (3, 5, 11)),
+                                     ("nvfp4-w4a8", (4096, 4097, 5000))])
+def test_quantlinear_compiled_first_is_one_graph(name, ms):
+    """Compiled before any eager call, a QuantLinear traces once for every M (its caches are built
+    at load, or left out of the trace) and equals the eager module (called after: its first eager
+    call fills the reference path's cache, which a compiled call after it would retrace for)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # counters outlive reset()
+    q = QuantLinear.from_linear(linear(k=128, n=64), name)
+    compiled = torch.compile(q, backend="aot_eager", dynamic=True)
+    xs = [torch.randn(m, 128) for m in ms]
+    outs = [compiled(x) for x in xs]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for x, out in zip(xs, outs):
+        assert torch.equal(out, q(x)), x.shape
 
 
 def test_fused_moe_experts_are_split_and_quantized():

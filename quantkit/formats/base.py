@@ -1,8 +1,9 @@
 """The objects every format shares: :class:`QuantizedWeight` and the scheme interfaces."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -22,13 +23,26 @@ class QuantizedWeight:
     scale: torch.Tensor
     tensor_scale: torch.Tensor | None
     shape: tuple[int, int]
-    layouts: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # kernel re-layouts, cached
+    layouts: dict[str, Any] = field(default_factory=dict, repr=False)  # kernel re-layouts, reference copies
 
     def dequantize(self) -> torch.Tensor:
         """FP32 ``[N, K]``: the weight this object represents."""
         from quantkit.formats import get_format
 
         return get_format(self.format).weight.dequantize(self)
+
+    def cached(self, name: str, build: Callable[[], Any]) -> Any:
+        """``layouts[name]``, built by ``build()`` when absent and kept, except inside a
+        torch.compile trace: a cache filled there is guarded as empty, so the next call would
+        recompile; the trace computes the value in its graph instead. For reference-path copies
+        (dequantized weights); kernel layouts are filled ahead of any trace
+        (:func:`quantkit.kernels.prepare_layouts`)."""
+        if name in self.layouts:
+            return self.layouts[name]
+        value = build()
+        if not torch.compiler.is_compiling():
+            self.layouts[name] = value
+        return value
 
 
 class WeightScheme(Protocol):

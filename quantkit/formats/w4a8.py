@@ -97,12 +97,14 @@ def format_accumulate(x: torch.Tensor, qweight: QuantizedWeight, weight: torch.T
     """FP32 accumulator ``[M, N']`` of the ``nvfp4-w4a8`` format for ``x [M, K]`` (bf16/FP32) and an
     NVFP4 ``qweight [N', K]``: :func:`accumulate` when :func:`use_w4a8` ``(M, N')``, else
     ``x @ dequant(w).T`` (``weight``: a cached dequantized copy). The E4M3 weight of the W4A8
-    branch is cached in ``qweight.layouts["w4a8"]``."""
+    branch is cached in ``qweight.layouts["w4a8"]`` (:meth:`QuantizedWeight.cached`)."""
     if not use_w4a8(x.shape[0], qweight.shape[0]):
         w = qweight.dequantize() if weight is None else weight
         return x.to(w.dtype) @ w.T
-    if "w4a8" not in qweight.layouts:
+
+    def build():
         c = row_exponents(qweight.scale)
-        qweight.layouts["w4a8"] = (weight_to_fp8(qweight.data, qweight.scale, c), c)
-    w8, c = qweight.layouts["w4a8"]
+        return weight_to_fp8(qweight.data, qweight.scale, c), c
+
+    w8, c = qweight.cached("w4a8", build)
     return _accumulate_fp8(x, w8, c, qweight.tensor_scale)

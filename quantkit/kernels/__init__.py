@@ -25,12 +25,15 @@ _state = threading.local()
 
 @dataclass(frozen=True)
 class Backend:
-    """A GPU kernel family: ``supports(x, qweight, epilogue)`` then ``run(x, qweight, epilogue, **kw)``."""
+    """A GPU kernel family: ``supports(x, qweight, epilogue)`` then ``run(x, qweight, epilogue, **kw)``;
+    ``prepare(qweight)``, where the family re-lays weights, caches that layout in ``qweight.layouts``
+    for the weights it runs (``run`` fills it too, where it is missing)."""
 
     name: str
     capability: tuple[int, ...]          # device major versions it runs on
     supports: Callable[[torch.Tensor, QuantizedWeight, Epilogue], bool]
     run: Callable[..., object]
+    prepare: Callable[[QuantizedWeight], None] | None = None
 
 
 _BACKENDS: list[Backend] = []
@@ -61,6 +64,18 @@ def _major(device: torch.device) -> int:
     if device not in _MAJOR:
         _MAJOR[device] = torch.cuda.get_device_capability(device)[0]
     return _MAJOR[device]
+
+
+def prepare_layouts(qweight: QuantizedWeight) -> None:
+    """Cache now the kernel layouts of ``qweight`` for the backends of the CUDA device it lives on
+    (nothing elsewhere). A first GEMM traced by torch.compile then finds them: filled inside the
+    trace, the cache is guarded as empty and the next call recompiles."""
+    if not qweight.data.is_cuda:
+        return
+    major = _major(qweight.data.device)
+    for backend in _BACKENDS:
+        if backend.prepare is not None and major in backend.capability:
+            backend.prepare(qweight)
 
 
 def select_backend(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue = IDENTITY) -> Backend | None:
@@ -99,4 +114,4 @@ if importlib.util.find_spec("cutlass") is not None:
 else:
     log.info("CuTeDSL (nvidia-cutlass-dsl) not installed: GEMMs take the PyTorch reference path")
 
-__all__ = ["Backend", "Epilogue", "gemm", "register_backend", "select_backend", "use_reference"]
+__all__ = ["Backend", "Epilogue", "gemm", "prepare_layouts", "register_backend", "select_backend", "use_reference"]

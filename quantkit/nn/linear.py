@@ -51,9 +51,16 @@ class QuantLinear(nn.Module):
         self._forget()
 
     def _forget(self) -> None:
-        """Drop the caches derived from the buffers (after loads and moves)."""
-        self._dequantized: torch.Tensor | None = None
+        """Drop the :class:`QuantizedWeight` view of the buffers, and with it every cache derived
+        from them (kernel layouts, the reference path's dequantized weight)."""
         self._qweight: QuantizedWeight | None = None
+
+    def _refresh(self) -> None:
+        """After a load or a move: build the view again and, on a GPU, the kernels' layouts of the
+        weight, now rather than on the first call. A first call traced by torch.compile then finds
+        them; filled inside the trace, they are guarded as empty and the second call recompiles."""
+        self._forget()
+        kernels.prepare_layouts(self.qweight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str | Format = "nvfp4", *, qweight: QuantizedWeight | None = None,
@@ -82,7 +89,7 @@ class QuantLinear(nn.Module):
             self.weight_tensor_scale.copy_(qweight.tensor_scale)
         if input_scale is not None:
             self.input_scale.copy_(input_scale)
-        self._forget()
+        self._refresh()
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -96,26 +103,25 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to every tensor; dtype casts (``model.to(torch.bfloat16)``) only to
-        the bias: the quantized buffers keep their storage dtypes."""
-        self._forget()
+        the bias: the quantized buffers keep their storage dtypes (and their caches, unless moved)."""
         held = {n: self._buffers.pop(n) for n in self._QUANTIZED if self._buffers.get(n) is not None}
         try:
             super()._apply(fn, recurse)
         finally:
             for name, t in held.items():
                 self._buffers[name] = moved_only(fn, t)
+        if any(self._buffers[name] is not t for name, t in held.items()):
+            self._refresh()
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._forget()
-        return super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh()
 
     def dequantized_weight(self) -> torch.Tensor:
-        """FP32 ``[N, K]`` dequantized weight, cached for the reference path (CPU, or formats without
-        a GPU kernel)."""
-        if self._dequantized is None:
-            self._dequantized = self.qweight.dequantize()
-        return self._dequantized
+        """FP32 ``[N, K]`` dequantized weight for the reference path (CPU, or formats without a GPU
+        kernel), cached by the first eager call (:meth:`QuantizedWeight.cached`)."""
+        return self.qweight.cached("dequantized", self.qweight.dequantize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.gemm(x, self.qweight, self.epilogue, bias=self.bias, input_scale=self.input_scale,

@@ -19,13 +19,20 @@ _MXFP8 = mx.MXElement(8)
 OPERAND_FORMAT = {**{f: f for f in FORMATS}, "nvfp4-4over6": "nvfp4"}
 
 
+def prepare(qweight: QuantizedWeight) -> None:
+    """Cache the 128x4-swizzled block scales of a weight the kernel runs (format, K and N as in
+    :func:`supports`) in ``qweight.layouts["sm100"]``."""
+    n, k = qweight.shape
+    if qweight.format in OPERAND_FORMAT and k % K_MULTIPLE == 0 and n % 128 == 0 and "sm100" not in qweight.layouts:
+        qweight.layouts["sm100"] = layouts.to_blocked(qweight.scale)
+
+
 def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: torch.Tensor | None = None):
     """``(x_q, x_scale, w_q, w_scale, alpha)`` for :func:`quantkit.kernels.sm100.blockscaled_gemm`
     from ``x [M, K]`` and ``qweight``: activations quantized as the format's reference does, scales
     swizzled (the weight's cached in ``qweight.layouts``), ``alpha`` the product of NVFP4 tensor
     scales (``None`` for MXFP8)."""
-    if "sm100" not in qweight.layouts:
-        qweight.layouts["sm100"] = layouts.to_blocked(qweight.scale)
+    prepare(qweight)
     w_scale = qweight.layouts["sm100"]
     if OPERAND_FORMAT[qweight.format] == "nvfp4":
         codes, scale, ts = get_format(qweight.format).activation.quantize(x, input_scale)
@@ -53,4 +60,4 @@ def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=N
     return unrows(out, x)
 
 
-register_backend(Backend("sm100-blockscaled", (10,), supports, run))
+register_backend(Backend("sm100-blockscaled", (10,), supports, run, prepare))

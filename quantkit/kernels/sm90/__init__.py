@@ -68,15 +68,23 @@ def nvfp4_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue
             and epilogue.requant is None and (epilogue.activation != "swiglu" or n % (2 * SWIGLU_GROUP) == 0))
 
 
+def nvfp4_prepare(qweight: QuantizedWeight) -> None:
+    """Cache the kernels' tile layout of an NVFP4 ``qweight`` (K a multiple of 128) in
+    ``qweight.layouts["sm90"]`` (:func:`.nvfp4_gemm.prepare`); other weights are left alone."""
+    if qweight.format in NVFP4_WEIGHT_FORMATS and qweight.shape[1] % 128 == 0 and "sm90" not in qweight.layouts:
+        from quantkit.kernels.sm90.nvfp4_gemm import prepare
+
+        qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
+
+
 def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None,
               input_scale=None):
     """``x [..., K]`` bf16 -> (``nvfp4``, ``nvfp4-4over6``: NVFP4 qdq) -> W4A16 GEMM (``nvfp4-w4a8``: W4A8 or W4A16 by
     M) + ``epilogue`` -> bf16 ``[..., N]``; the re-laid weight is cached in ``qweight.layouts``."""
-    from quantkit.kernels.sm90.nvfp4_gemm import nvfp4_w4a16_op, prepare
+    from quantkit.kernels.sm90.nvfp4_gemm import nvfp4_w4a16_op
     from quantkit.kernels.sm90.nvfp4_w4a8 import nvfp4_w4a8_format_op
 
-    if "sm90" not in qweight.layouts:
-        qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
+    nvfp4_prepare(qweight)
     w = qweight.layouts["sm90"]
     x2 = rows(x)
     activation = get_format(qweight.format).activation
@@ -89,4 +97,4 @@ def nvfp4_run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, 
     return unrows(out, x)
 
 
-register_backend(Backend("sm90-nvfp4", (9,), nvfp4_supports, nvfp4_run))
+register_backend(Backend("sm90-nvfp4", (9,), nvfp4_supports, nvfp4_run, nvfp4_prepare))
