@@ -167,6 +167,17 @@ def test_quantlinear_compiled_first_is_one_graph(name, ms):
         assert torch.equal(out, q(x)), x.shape
 
 
+def test_buffers_assigned_anew_are_what_the_forward_reads():
+    """Buffers replaced by assignment (``module.weight = t``, as accelerate's offload hooks do)
+    after calls that cached the old ones: the next call reads the new weight, not the caches."""
+    a = QuantLinear.from_linear(linear(k=128, n=64, bias=False), "nvfp4")
+    b = QuantLinear.from_linear(linear(k=128, n=64, bias=False, seed=1), "nvfp4")
+    x = torch.randn(3, 128)
+    assert not torch.equal(a(x), b(x))
+    a.weight, a.weight_scale, a.weight_tensor_scale = b.weight.clone(), b.weight_scale.clone(), b.weight_tensor_scale.clone()
+    assert torch.equal(a(x), b(x))
+
+
 def test_fused_moe_experts_are_split_and_quantized():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -93,11 +93,15 @@ class QuantLinear(nn.Module):
 
     @property
     def qweight(self) -> QuantizedWeight:
-        """The weight as a :class:`QuantizedWeight` over the buffers (kept, with its kernel layouts)."""
-        if self._qweight is None:
-            self._qweight = QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
-                                            (self.out_features, self.in_features))
-        return self._qweight
+        """The weight as a :class:`QuantizedWeight` over the buffers, kept with its kernel layouts
+        while the buffers are the same tensors (built again where one was assigned anew, e.g. by
+        ``module.weight = t`` or accelerate's offload hooks)."""
+        q = self._qweight
+        if (q is None or q.data is not self.weight or q.scale is not self.weight_scale
+                or q.tensor_scale is not self.weight_tensor_scale):
+            q = self._qweight = QuantizedWeight(self.format, self.weight, self.weight_scale, self.weight_tensor_scale,
+                                                (self.out_features, self.in_features))
+        return q
 
     _QUANTIZED = ("weight", "weight_scale", "weight_tensor_scale", "input_scale")
 
