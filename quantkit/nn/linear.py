@@ -56,8 +56,8 @@ class QuantLinear(nn.Module):
         self._qweight: QuantizedWeight | None = None
 
     def _refresh(self) -> None:
-        """After a load or a move: build the view again and, on a GPU, the kernels' layouts of the
-        weight, now rather than on the first call. A first call traced by torch.compile then finds
+        """After a load into the buffers: build the view again and, on a GPU, the kernels' layouts
+        of the weight, now rather than on the first call. A first call traced by torch.compile then finds
         them; filled inside the trace, they are guarded as empty and the second call recompiles."""
         self._forget()
         kernels.prepare_layouts(self.qweight)
@@ -107,15 +107,15 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to every tensor; dtype casts (``model.to(torch.bfloat16)``) only to
-        the bias: the quantized buffers keep their storage dtypes (and their caches, unless moved)."""
+        the bias: the quantized buffers keep their storage dtypes (and, where not moved, their caches:
+        :attr:`qweight` is built again only over new tensors)."""
         held = {n: self._buffers.pop(n) for n in self._QUANTIZED if self._buffers.get(n) is not None}
         try:
             super()._apply(fn, recurse)
         finally:
             for name, t in held.items():
                 self._buffers[name] = moved_only(fn, t)
-        if any(self._buffers[name] is not t for name, t in held.items()):
-            self._refresh()
+        kernels.prepare_layouts(self.qweight)
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):

@@ -19,11 +19,16 @@ _MXFP8 = mx.MXElement(8)
 OPERAND_FORMAT = {**{f: f for f in FORMATS}, "nvfp4-4over6": "nvfp4"}
 
 
-def prepare(qweight: QuantizedWeight) -> None:
-    """Cache the 128x4-swizzled block scales of a weight the kernel runs (format, K and N as in
-    :func:`supports`) in ``qweight.layouts["sm100"]``."""
+def runs_weight(qweight: QuantizedWeight) -> bool:
+    """Whether the kernel takes ``qweight``: format nvfp4 / nvfp4-4over6 / mxfp8, K a multiple of
+    128, N of 128."""
     n, k = qweight.shape
-    if qweight.format in OPERAND_FORMAT and k % K_MULTIPLE == 0 and n % 128 == 0 and "sm100" not in qweight.layouts:
+    return qweight.format in OPERAND_FORMAT and k % K_MULTIPLE == 0 and n % 128 == 0
+
+
+def prepare(qweight: QuantizedWeight) -> None:
+    """Cache the 128x4-swizzled block scales of a weight the kernel runs in ``qweight.layouts["sm100"]``."""
+    if runs_weight(qweight) and "sm100" not in qweight.layouts:
         qweight.layouts["sm100"] = layouts.to_blocked(qweight.scale)
 
 
@@ -45,10 +50,8 @@ def prepare_operands(x: torch.Tensor, qweight: QuantizedWeight, input_scale: tor
 
 
 def supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
-    """Formats nvfp4 / nvfp4-4over6 / mxfp8, bf16 input, K a multiple of 128, N of 128, bf16 output."""
-    n, k = qweight.shape
-    return (qweight.format in OPERAND_FORMAT and x.dtype == torch.bfloat16 and k % K_MULTIPLE == 0 and n % 128 == 0
-            and epilogue.requant is None)
+    """A weight the kernel takes (:func:`runs_weight`), bf16 input, bf16 output."""
+    return runs_weight(qweight) and x.dtype == torch.bfloat16 and epilogue.requant is None
 
 
 def run(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue, *, bias=None, residual=None, input_scale=None):

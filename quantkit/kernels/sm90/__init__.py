@@ -61,17 +61,21 @@ register_backend(Backend("sm90-fp8-block", (9,), fp8_block_supports, fp8_block_r
 NVFP4_WEIGHT_FORMATS = ("nvfp4-w4a16", "nvfp4", "nvfp4-4over6", "nvfp4-w4a8")
 
 
+def nvfp4_runs_weight(qweight: QuantizedWeight) -> bool:
+    """Whether the sm90 NVFP4 kernels take ``qweight``: an NVFP4-weight format, K a multiple of 128."""
+    return qweight.format in NVFP4_WEIGHT_FORMATS and qweight.shape[1] % 128 == 0
+
+
 def nvfp4_supports(x: torch.Tensor, qweight: QuantizedWeight, epilogue: Epilogue) -> bool:
     """Whether the sm90 NVFP4 kernels (W4A16, W4A8) compute ``x @ qweight`` with ``epilogue``."""
-    n, k = qweight.shape
-    return (qweight.format in NVFP4_WEIGHT_FORMATS and x.dtype == torch.bfloat16 and k % 128 == 0
-            and epilogue.requant is None and (epilogue.activation != "swiglu" or n % (2 * SWIGLU_GROUP) == 0))
+    return (nvfp4_runs_weight(qweight) and x.dtype == torch.bfloat16 and epilogue.requant is None
+            and (epilogue.activation != "swiglu" or qweight.shape[0] % (2 * SWIGLU_GROUP) == 0))
 
 
 def nvfp4_prepare(qweight: QuantizedWeight) -> None:
-    """Cache the kernels' tile layout of an NVFP4 ``qweight`` (K a multiple of 128) in
+    """Cache the kernels' tile layout of a weight they take (:func:`nvfp4_runs_weight`) in
     ``qweight.layouts["sm90"]`` (:func:`.nvfp4_gemm.prepare`); other weights are left alone."""
-    if qweight.format in NVFP4_WEIGHT_FORMATS and qweight.shape[1] % 128 == 0 and "sm90" not in qweight.layouts:
+    if nvfp4_runs_weight(qweight) and "sm90" not in qweight.layouts:
         from quantkit.kernels.sm90.nvfp4_gemm import prepare
 
         qweight.layouts["sm90"] = prepare(qweight.data, qweight.scale, qweight.tensor_scale)
